@@ -1,0 +1,61 @@
+#pragma once
+// The one parity checker: given a strategy, a model config, a seed and a batch, run the baseline
+// and the strategy side by side and compare loss, every gradient by canonical name, and the
+// parameters after each optimizer step (SGD-momentum and AdamW).
+#include <functional>
+#include <string>
+
+#include "strategies/strategy.h"
+
+namespace strata::correctness {
+
+/// max|actual - expected| <= atol + rtol * max|expected|, per tensor.
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+
+// fp32 on the CPU: the same sequence of operations gives identical bits; strategies that change
+// the order of a reduction (a tied gradient summed on the host, a matmul split in two) differ by
+// a few units in the last place of the accumulated values. 1e-5 is ~80 ulp of fp32 (eps 1.19e-7),
+// far below any real bug (a missed or doubled contribution moves values by percent).
+inline constexpr Tolerance kCpuTolerance{1e-5, 1e-7};
+// fp32 on CUDA with TF32 off: cuBLAS may choose other kernels (split-K, other tilings) for other
+// shapes and streams, so reductions run in another order; 1e-4 covers that for the sizes tested.
+inline constexpr Tolerance kCudaTolerance{1e-4, 1e-6};
+// AdamW divides by sqrt(v) + eps, so where a gradient is near eps a rounding difference of the
+// gradient becomes a difference of the update of up to lr times its relative size; allow that
+// much per step on top of the gradient tolerance.
+inline constexpr double kAdamwUpdateSlack = 1e-3;
+
+Tolerance tolerance_for(const torch::Device& device);
+
+struct ParityCase {
+  models::ModelConfig model;
+  int64_t batch_size = 2;
+  uint64_t seed = 0;
+  int steps = 3;                                ///< optimizer steps, each after one train_step
+  std::map<std::string, std::string> options;   ///< the strategy's own options
+  std::vector<std::string> devices;             ///< extra devices ("cpu", "cuda:0", ...) for multi-device strategies
+  std::string to_string() const;
+};
+
+struct ParityResult {
+  bool ok = true;
+  std::string message;  ///< the first mismatch, with step, tensor name and sizes of the difference
+};
+
+using StrategyMaker = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
+
+/// Runs `steps` steps of each optimizer on the baseline and on `make(config)`; stops at the first
+/// mismatch. `device` is the main device of both.
+ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device);
+/// Same, for a registered strategy.
+ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device);
+
+/// Compares two named tensor lists (same names, same order, same shapes, values within `tol`).
+/// Returns an empty string when they match, else what differs.
+std::string compare_named(const std::string& what, const NamedTensors& actual, const NamedTensors& expected,
+                          Tolerance tol);
+
+}  // namespace strata::correctness

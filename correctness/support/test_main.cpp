@@ -1,0 +1,40 @@
+// Test main: the device is a parameter of the whole suite (--device=cpu or --device=cuda[:N]); CTest
+// runs every test once per device with labels cpu and cuda. On a machine without the device the
+// binary prints why and exits 77, which CTest reports as skipped (never as passed).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <iostream>
+
+#include "correctness/support/test_device.h"
+#include "strategies/device/device.h"
+
+namespace strata::test {
+namespace {
+torch::Device g_device{torch::kCPU};
+}
+const torch::Device& device() { return g_device; }
+}  // namespace strata::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string requested = "cpu";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--device=", 9) == 0) requested = argv[i] + 9;
+  }
+  if (requested.rfind("cuda", 0) == 0 && !strata::device::cuda_available()) {
+    std::cout << "SKIPPED: --device=" << requested << " but this machine has no CUDA device"
+              << (torch::cuda::is_available() ? "" : " (or LibTorch was built without CUDA)") << std::endl;
+    return 77;
+  }
+  try {
+    strata::test::g_device = strata::device::parse(requested);
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  }
+  // Parity is checked in full fp32: TF32 matmuls would make every CUDA comparison a 1e-3 one.
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,74 @@
+// The device layer: side streams are asynchronous on every device (a worker thread on the CPU),
+// events order work across streams, and allocator statistics move on CUDA.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "correctness/support/test_device.h"
+#include "strategies/device/device.h"
+
+namespace strata {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(Device, side_stream_copies_asynchronously_and_events_order_them) {
+  const auto dev = test::device();
+  auto side = device::Stream::side(dev);
+  auto compute = device::Stream::compute(dev);
+  auto src = device::host_buffer({1 << 20}, torch::kFloat, dev).fill_(3.0f);
+  auto dst = torch::zeros({1 << 20}, torch::TensorOptions().device(dev));
+  side.delay(std::chrono::microseconds(200000));
+  side.copy(dst, src);
+  auto done = side.record();
+  // The copy waits behind a 200 ms delay, so the call above returned long before it ran.
+  EXPECT_FALSE(done.done());
+  compute.wait(done);
+  EXPECT_EQ(dst.sum().item<float>(), 3.0f * (1 << 20));
+  EXPECT_TRUE(done.done());
+}
+
+TEST(Device, injected_copy_delay_is_applied_and_restored) {
+  const auto dev = test::device();
+  auto side = device::Stream::side(dev);
+  auto src = device::host_buffer({16}, torch::kFloat, dev).fill_(1.0f);
+  auto dst = torch::zeros({16}, torch::TensorOptions().device(dev));
+  {
+    device::ScopedDelays delays({100ms, 0ms});
+    EXPECT_EQ(device::injected_delays().copy, 100ms);
+    const auto start = std::chrono::steady_clock::now();
+    side.copy(dst, src);
+    side.synchronize();
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 90ms);
+  }
+  EXPECT_EQ(device::injected_delays().copy, 0ms);
+  EXPECT_EQ(dst.sum().item<float>(), 16.0f);
+}
+
+TEST(Device, host_buffers_are_pinned_for_cuda) {
+  const auto dev = test::device();
+  auto h = device::host_buffer({8}, torch::kFloat, dev);
+  EXPECT_TRUE(h.device().is_cpu());
+  EXPECT_EQ(h.is_pinned(), dev.is_cuda());
+}
+
+TEST(Device, allocator_peak_tracks_an_allocation_on_cuda) {
+  const auto dev = test::device();
+  device::synchronize(dev);
+  device::reset_peak_stats(dev);
+  const auto before = device::allocator_stats(dev);
+  {
+    auto big = torch::empty({64 << 20}, torch::TensorOptions().dtype(torch::kByte).device(dev));
+    device::synchronize(dev);
+  }
+  const auto after = device::allocator_stats(dev);
+  if (dev.is_cuda()) {
+    EXPECT_GE(after.peak_allocated - before.allocated, 64 << 20);
+    EXPECT_LE(after.allocated, before.allocated);  // freed again
+  } else {
+    EXPECT_EQ(after.peak_allocated, 0) << "the CPU has no caching-allocator statistics";
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,116 @@
+// The reference models: deterministic construction, canonical names with tied parameters once,
+// parameter counts against the architecture's formulas, and sane outputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "correctness/support/test_device.h"
+#include "models/model.h"
+
+namespace strata {
+namespace {
+
+using models::ModelConfig;
+using models::ModelKind;
+
+ModelConfig gpt(int64_t depth, int64_t width, int64_t vocab, bool tied) {
+  ModelConfig c;
+  c.kind = ModelKind::gpt; c.depth = depth; c.width = width; c.heads = 2; c.vocab = vocab; c.seq_len = 5; c.tied = tied;
+  return c;
+}
+
+TEST(Models, same_seed_same_parameters_other_seed_other_parameters) {
+  for (const auto& name : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
+    const auto& config = models::preset(name).config;
+    auto a = models::build_model(config, 7), b = models::build_model(config, 7), c = models::build_model(config, 8);
+    ASSERT_EQ(a.parameters().size(), b.parameters().size());
+    bool any_differs = false;
+    for (size_t i = 0; i < a.parameters().size(); ++i) {
+      EXPECT_EQ(a.parameters()[i].name, b.parameters()[i].name);
+      EXPECT_TRUE(torch::equal(a.parameters()[i].tensor, b.parameters()[i].tensor)) << name << " " << a.parameters()[i].name;
+      any_differs |= !torch::equal(a.parameters()[i].tensor, c.parameters()[i].tensor);
+    }
+    EXPECT_TRUE(any_differs) << name;
+  }
+}
+
+TEST(Models, gpt_parameter_count_follows_the_architecture) {
+  // Per block: qkv 3d^2+3d, proj d^2+d, fc1 4d^2+4d, fc2 4d^2+d, two norms 4d = 12d^2+13d.
+  // Embedding V*d (positions are fixed sinusoids), final norm 2d, untied head another V*d.
+  for (bool tied : {true, false}) {
+    const int64_t L = 3, d = 6, V = 11;
+    auto model = models::build_model(gpt(L, d, V, tied), 0);
+    const int64_t expected = L * (12 * d * d + 13 * d) + V * d + 2 * d + (tied ? 0 : V * d);
+    EXPECT_EQ(model.parameter_count(), expected) << "tied=" << tied;
+    EXPECT_EQ(model.has_tied_parameters(), tied);
+  }
+  // The measurement model: 805.7M parameters in blocks, 871M in all (d=2048, L=16, V=32000).
+  const int64_t d = 2048, L = 16, V = 32000;
+  EXPECT_EQ(L * (12 * d * d + 13 * d), 805732352);
+  EXPECT_NEAR(static_cast<double>(L * (12 * d * d + 13 * d) + V * d + 2 * d) / 1e6, 871.3, 0.05);
+}
+
+TEST(Models, tied_parameter_is_one_tensor_under_its_first_name) {
+  auto model = models::build_model(gpt(2, 4, 9, true), 0);
+  const auto& params = model.parameters();
+  const auto& uses = model.block_parameters();
+  ASSERT_EQ(params.front().name, "0.tokens");
+  const int64_t head = model.num_blocks() - 1;
+  EXPECT_NE(std::find(uses[head].begin(), uses[head].end(), 0), uses[head].end()) << "head does not use 0.tokens";
+  for (const auto& p : params) EXPECT_NE(p.name, std::to_string(head) + ".weight");
+  // Same tensor in both blocks.
+  auto head_params = model.blocks()[head]->named_parameters();
+  EXPECT_EQ(head_params["weight"].unsafeGetTensorImpl(), params.front().tensor.unsafeGetTensorImpl());
+}
+
+TEST(Models, mlp_tied_output_uses_the_input_weight) {
+  const auto& c = models::preset("mlp-tied-tiny").config;
+  auto model = models::build_model(c, 0);
+  EXPECT_TRUE(model.has_tied_parameters());
+  const int64_t d = c.width, in = c.in_features, L = c.depth;
+  // input in*d+d, hidden (L-1)(d*d+d), output bias only (weight is the input's).
+  EXPECT_EQ(model.parameter_count(), in * d + d + (L - 1) * (d * d + d) + c.classes);
+}
+
+TEST(Models, outputs_have_the_right_shape_and_an_initial_loss_near_log_classes) {
+  const auto& device = test::device();
+  for (const auto& name : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
+    const auto& p = models::preset(name);
+    auto model = models::build_model(p.config, 3);
+    for (auto& b : model.blocks()) b->to(device);
+    auto batch = models::make_batch(p.config, p.batch_size, 4);
+    torch::NoGradGuard no_grad;
+    auto x = batch.input.to(device);
+    for (auto& b : model.blocks()) x = b->forward(x);
+    const int64_t classes = p.config.kind == ModelKind::gpt ? p.config.vocab : p.config.classes;
+    EXPECT_EQ(x.size(-1), classes) << name;
+    EXPECT_EQ(x.size(0), p.batch_size) << name;
+    const double loss = model.loss(x, batch.target.to(device)).item<double>();
+    // Initial weights are N(0, 0.02): logits are near zero, so the loss is near log(C).
+    EXPECT_NEAR(loss, std::log(static_cast<double>(classes)), 0.5) << name;
+  }
+}
+
+TEST(Models, batches_are_deterministic_and_in_range) {
+  const auto& c = models::preset("gpt-tiny").config;
+  auto a = models::make_batch(c, 3, 11), b = models::make_batch(c, 3, 11);
+  EXPECT_TRUE(torch::equal(a.input, b.input));
+  EXPECT_TRUE(torch::equal(a.target, b.target));
+  EXPECT_GE(a.input.min().item<int64_t>(), 0);
+  EXPECT_LT(a.input.max().item<int64_t>(), c.vocab);
+  // GPT targets are the inputs shifted by one token.
+  using torch::indexing::Slice;
+  EXPECT_TRUE(torch::equal(a.input.index({Slice(), Slice(1, torch::indexing::None)}),
+                           a.target.index({Slice(), Slice(0, c.seq_len - 1)})));
+}
+
+TEST(Models, flops_per_item_match_the_hand_count) {
+  const auto& c = models::preset("gpt-871m").config;
+  models::BlockModel empty(c, {});
+  const double d = 2048, L = 16, V = 32000, T = 1024;
+  EXPECT_DOUBLE_EQ(empty.forward_flops_per_item(), 2 * (L * 12 * d * d + V * d) + 4 * L * T * d);
+  EXPECT_EQ(empty.items_per_batch(8), 8 * 1024);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,45 @@
+#pragma once
+// Every difference between the LibTorch versions strata builds against (Debian's 1.13 on CPU, the
+// 2.x inside the PyTorch wheel on GPU machines) lives in this header and nowhere else.
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace strata::compat {
+
+inline constexpr bool kTorch2 = TORCH_VERSION_MAJOR >= 2;
+
+/// Causal (or full) multi-head attention on [B, H, T, D] tensors. LibTorch 2 has a fused kernel
+/// (flash / memory-efficient on CUDA); 1.13 has none, so it is spelled out. Both compute
+/// softmax(q k^T / sqrt(D) + mask) v.
+inline torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               bool causal) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, causal);
+#else
+  const auto t = q.size(-2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  if (causal) {
+    auto mask = torch::ones({t, t}, q.options().dtype(torch::kBool)).triu(1);
+    scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  return torch::matmul(torch::softmax(scores, -1), v);
+#endif
+}
+
+/// Frees the memory behind a storage while every tensor viewing it keeps its identity (and so its
+/// place in autograd graphs); reallocate() gives it fresh memory of the old size. This is how a
+/// strategy releases a block's device parameters between uses without touching the module.
+inline void release_storage(const c10::Storage& storage) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(static_cast<size_t>(0));
+}
+
+inline void reallocate_storage(const c10::Storage& storage, size_t nbytes) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+}  // namespace strata::compat

@@ -1,0 +1,244 @@
+#include "models/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <numeric>
+#include <sstream>
+#include <unordered_map>
+
+#include "models/builders.h"
+#include "models/check.h"
+
+namespace strata::models {
+
+std::string to_string(ModelKind kind) {
+  switch (kind) {
+    case ModelKind::mlp: return "mlp";
+    case ModelKind::gpt: return "gpt";
+    case ModelKind::bert: return "bert";
+  }
+  return "?";
+}
+
+ModelKind parse_model_kind(const std::string& name) {
+  if (name == "mlp") return ModelKind::mlp;
+  if (name == "gpt") return ModelKind::gpt;
+  if (name == "bert") return ModelKind::bert;
+  STRATA_CHECK(false, "unknown model kind '" << name << "'; known kinds: mlp, gpt, bert");
+}
+
+void ModelConfig::validate() const {
+  const auto kind_name = models::to_string(kind);
+  STRATA_CHECK(depth >= 1, kind_name << ": depth=" << depth << " must be at least 1");
+  STRATA_CHECK(width >= 1, kind_name << ": width=" << width << " must be at least 1");
+  if (kind == ModelKind::mlp) {
+    STRATA_CHECK(in_features >= 1, "mlp: in_features=" << in_features << " must be at least 1");
+    STRATA_CHECK(classes >= 2, "mlp: classes=" << classes << " must be at least 2");
+    STRATA_CHECK(!tied || classes == in_features,
+                 "mlp: tied output layer needs classes == in_features, got classes=" << classes
+                     << " in_features=" << in_features);
+    return;
+  }
+  STRATA_CHECK(heads >= 1, kind_name << ": heads=" << heads << " must be at least 1");
+  STRATA_CHECK(width % heads == 0,
+               kind_name << ": heads=" << heads << " does not divide width=" << width);
+  STRATA_CHECK(vocab >= 2, kind_name << ": vocab=" << vocab << " must be at least 2");
+  STRATA_CHECK(seq_len >= 1, kind_name << ": seq_len=" << seq_len << " must be at least 1");
+  if (kind == ModelKind::bert) {
+    STRATA_CHECK(classes >= 2, "bert: classes=" << classes << " must be at least 2");
+    STRATA_CHECK(!tied, "bert: tied=1 is not supported (its classifier has no input embedding to tie to)");
+  }
+}
+
+std::string ModelConfig::to_string() const {
+  std::ostringstream out;
+  out << models::to_string(kind) << "(depth=" << depth << " width=" << width;
+  if (kind == ModelKind::mlp) {
+    out << " in_features=" << in_features << " classes=" << classes;
+  } else {
+    out << " heads=" << heads << " vocab=" << vocab << " seq_len=" << seq_len;
+    if (kind == ModelKind::bert) out << " classes=" << classes;
+  }
+  if (kind != ModelKind::bert) out << " tied=" << tied;
+  out << ")";
+  return out.str();
+}
+
+BlockModel::BlockModel(ModelConfig config, std::vector<std::shared_ptr<Block>> blocks)
+    : config_(std::move(config)), blocks_(std::move(blocks)) {
+  // Canonical names: the first name a parameter gets walking the blocks in order; a tied parameter
+  // is recognised by its TensorImpl, never by its name.
+  std::unordered_map<const void*, int64_t> index_of;
+  block_parameters_.resize(blocks_.size());
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    for (const auto& item : blocks_[b]->named_parameters(/*recurse=*/true)) {
+      const void* key = item.value().unsafeGetTensorImpl();
+      auto found = index_of.find(key);
+      int64_t index;
+      if (found == index_of.end()) {
+        index = static_cast<int64_t>(parameters_.size());
+        index_of.emplace(key, index);
+        parameters_.push_back({std::to_string(b) + "." + item.key(), item.value(), static_cast<int64_t>(b)});
+      } else {
+        index = found->second;
+      }
+      auto& uses = block_parameters_[b];
+      if (std::find(uses.begin(), uses.end(), index) == uses.end()) uses.push_back(index);
+    }
+  }
+}
+
+torch::Tensor BlockModel::loss(const torch::Tensor& output, const torch::Tensor& target) const {
+  return torch::nn::functional::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}));
+}
+
+bool BlockModel::has_tied_parameters() const {
+  std::vector<int> users(parameters_.size(), 0);
+  for (const auto& uses : block_parameters_)
+    for (auto i : uses) ++users[i];
+  return std::any_of(users.begin(), users.end(), [](int n) { return n > 1; });
+}
+
+int64_t BlockModel::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& p : parameters_) n += p.tensor.numel();
+  return n;
+}
+
+int64_t BlockModel::parameter_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : parameters_) n += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+  return n;
+}
+
+double BlockModel::forward_flops_per_item() const {
+  // Two FLOPs per multiply-add of every matrix product; attention counted over the full T x T
+  // square (the causal half is not discounted), as is usual for MFU figures.
+  const double d = static_cast<double>(config_.width), L = static_cast<double>(config_.depth);
+  const double T = static_cast<double>(config_.seq_len);
+  switch (config_.kind) {
+    case ModelKind::mlp:
+      return 2.0 * (config_.in_features * d + (L - 1) * d * d + d * config_.classes);
+    case ModelKind::gpt:  // per token
+      return 2.0 * (L * 12.0 * d * d + config_.vocab * d) + L * 4.0 * T * d;
+    case ModelKind::bert:  // per sample: T tokens through the encoder, then pooler and classifier
+      return T * (2.0 * L * 12.0 * d * d + L * 4.0 * T * d) + 2.0 * d * d + 2.0 * d * config_.classes;
+  }
+  return 0.0;
+}
+
+int64_t BlockModel::items_per_batch(int64_t batch_size) const {
+  return config_.kind == ModelKind::gpt ? batch_size * config_.seq_len : batch_size;
+}
+
+namespace {
+
+// Deterministic initialisation from one generator, walking parameters in canonical order, so the
+// same config and seed give bit-identical models whatever the module constructors drew.
+void initialise(BlockModel& model, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  for (const auto& p : model.parameters()) {
+    auto t = p.tensor;
+    const bool is_bias = p.name.size() >= 4 && p.name.compare(p.name.size() - 4, 4, "bias") == 0;
+    if (is_bias) {
+      t.zero_();
+    } else if (t.dim() == 1) {  // norm scales
+      t.fill_(1.0);
+    } else {
+      t.normal_(0.0, 0.02, gen);
+    }
+  }
+}
+
+}  // namespace
+
+BlockModel build_model(const ModelConfig& config, uint64_t seed) {
+  config.validate();
+  std::vector<std::shared_ptr<Block>> blocks;
+  switch (config.kind) {
+    case ModelKind::mlp: blocks = detail::build_mlp_blocks(config); break;
+    case ModelKind::gpt: blocks = detail::build_gpt_blocks(config); break;
+    case ModelKind::bert: blocks = detail::build_bert_blocks(config); break;
+  }
+  BlockModel model(config, std::move(blocks));
+  initialise(model, seed);
+  return model;
+}
+
+Batch make_batch(const ModelConfig& config, int64_t batch_size, uint64_t seed) {
+  config.validate();
+  STRATA_CHECK(batch_size >= 1, "batch_size=" << batch_size << " must be at least 1");
+  auto gen = at::detail::createCPUGenerator(seed ^ 0x5eedba7c4ULL);
+  const auto i64 = torch::TensorOptions().dtype(torch::kLong);
+  switch (config.kind) {
+    case ModelKind::mlp: {
+      auto x = torch::randn({batch_size, config.in_features}, gen);
+      auto y = torch::randint(config.classes, {batch_size}, gen, i64);
+      return {x, y};
+    }
+    case ModelKind::gpt: {
+      auto tokens = torch::randint(config.vocab, {batch_size, config.seq_len + 1}, gen, i64);
+      using torch::indexing::Slice;
+      return {tokens.index({Slice(), Slice(0, config.seq_len)}).contiguous(),
+              tokens.index({Slice(), Slice(1, torch::indexing::None)}).contiguous()};
+    }
+    case ModelKind::bert: {
+      auto tokens = torch::randint(config.vocab, {batch_size, config.seq_len}, gen, i64);
+      auto y = torch::randint(config.classes, {batch_size}, gen, i64);
+      return {tokens, y};
+    }
+  }
+  return {};
+}
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> all = [] {
+    auto mlp = [](int64_t depth, int64_t width, int64_t in, int64_t classes, bool tied) {
+      ModelConfig c;
+      c.kind = ModelKind::mlp; c.depth = depth; c.width = width; c.in_features = in; c.classes = classes; c.tied = tied;
+      return c;
+    };
+    auto gpt = [](int64_t depth, int64_t width, int64_t heads, int64_t vocab, int64_t seq) {
+      ModelConfig c;
+      c.kind = ModelKind::gpt; c.depth = depth; c.width = width; c.heads = heads; c.vocab = vocab; c.seq_len = seq; c.tied = true;
+      return c;
+    };
+    auto bert = [](int64_t depth, int64_t width, int64_t heads, int64_t vocab, int64_t seq, int64_t classes) {
+      ModelConfig c;
+      c.kind = ModelKind::bert; c.depth = depth; c.width = width; c.heads = heads; c.vocab = vocab; c.seq_len = seq;
+      c.classes = classes; c.tied = false;
+      return c;
+    };
+    return std::vector<Preset>{
+        {"mlp-tiny", mlp(2, 16, 8, 8, false), 4, "CPU tests"},
+        {"mlp-tied-tiny", mlp(2, 16, 8, 8, true), 4, "CPU tests; output layer tied to the input layer"},
+        {"gpt-tiny", gpt(2, 32, 4, 64, 8), 4, "CPU tests and the CPU comparison job"},
+        {"bert-tiny", bert(2, 32, 4, 64, 8, 100), 4, "CPU tests"},
+        {"mlp-wide", mlp(8, 4096, 1024, 1024, false), 256, "GPU: 118M parameters, matmul-bound"},
+        {"gpt-small", gpt(4, 256, 4, 4096, 128), 8, "a few seconds a step on two CPU cores"},
+        {"gpt-medium", gpt(8, 1024, 16, 32000, 512), 8, "GPU comparison job: 134M parameters"},
+        {"gpt-871m", gpt(16, 2048, 16, 32000, 1024), 8,
+         "seed 003's measurement model: 871M parameters, 805.7M of them in blocks"},
+        {"gpt-13b", gpt(40, 5120, 40, 32000, 2048), 1,
+         "12.7B parameters: 203 GB with AdamW state, more than an H200 holds; offloaded it needs that much host memory"},
+        {"bert-base-1m", bert(12, 768, 12, 30522, 128, 1000000), 32, "seed 000's model at 1M classes"},
+        {"bert-base-6m", bert(12, 768, 12, 30522, 128, 6000000), 32,
+         "seed 000's case: BERT-base and a 768 x 6,000,000 classifier (4.7B parameters)"},
+        {"bert-base-12m", bert(12, 768, 12, 30522, 128, 12000000), 32,
+         "a classifier of 9.2B parameters: with AdamW state more than one H200 holds; needs a split"},
+    };
+  }();
+  return all;
+}
+
+const Preset& preset(const std::string& name) {
+  std::string known;
+  for (const auto& p : presets()) {
+    if (p.name == name) return p;
+    known += (known.empty() ? "" : ", ") + p.name;
+  }
+  STRATA_CHECK(false, "unknown model preset '" << name << "'; known presets: " << known);
+}
+
+}  // namespace strata::models

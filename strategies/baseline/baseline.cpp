@@ -1,0 +1,109 @@
+#include "strategies/baseline/baseline.h"
+
+#include "models/check.h"
+#include "strategies/checkpoint.h"
+#include "strategies/device/device.h"
+#include "strategies/options.h"
+
+namespace strata {
+
+BaselineOptions BaselineOptions::parse(const std::map<std::string, std::string>& options) {
+  OptionReader reader("baseline", options);
+  BaselineOptions out;
+  out.checkpoint = reader.get_bool("checkpoint", out.checkpoint);
+  reader.finish();
+  out.validate();
+  return out;
+}
+
+Baseline::Baseline(std::string name, const StrategyConfig& config, BaselineOptions options)
+    : name_(std::move(name)), config_(config), options_(options) {
+  device::check_available(config_.device);
+}
+
+models::BlockModel& Baseline::model() {
+  STRATA_CHECK(model_.has_value(), name_ << ": attach() a model first");
+  return *model_;
+}
+
+void Baseline::attach(models::BlockModel model) {
+  // Module::to() swaps each parameter's data in place, so a tied parameter stays one tensor.
+  for (const auto& block : model.blocks()) block->to(config_.device);
+  optimizer_state_.assign(model.parameters().size(), {});
+  model_.emplace(std::move(model));
+}
+
+torch::Tensor Baseline::run_blocks(torch::Tensor x, bool checkpoint) {
+  for (const auto& block : model().blocks()) x = checkpoint ? checkpointed_forward(*block, x) : block->forward(x);
+  return x;
+}
+
+double Baseline::train_step(const models::Batch& batch) {
+  auto input = batch.input.to(config_.device);
+  auto target = batch.target.to(config_.device);
+  bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
+  auto loss = model().loss(run_blocks(input, options_.checkpoint), target);
+  loss.backward();
+  return loss.item<double>();
+}
+
+torch::Tensor Baseline::forward(const torch::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  bytes_h2d_ += input.nbytes();
+  return run_blocks(input.to(config_.device), /*checkpoint=*/false);
+}
+
+void Baseline::optimizer_step() {
+  const auto& params = model().parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto p = params[i].tensor;
+    if (!p.grad().defined()) continue;
+    optimizer_update(config_.optimizer, p, p.grad(), optimizer_state_[i]);
+    p.mutable_grad() = torch::Tensor();
+  }
+}
+
+NamedTensors Baseline::gradients() {
+  NamedTensors out;
+  for (const auto& p : model().parameters()) {
+    const auto& g = p.tensor.grad();
+    out.emplace_back(p.name, g.defined() ? g.detach().cpu() : torch::zeros_like(p.tensor, torch::kCPU));
+  }
+  return out;
+}
+
+NamedTensors Baseline::parameters() {
+  NamedTensors out;
+  for (const auto& p : model().parameters()) out.emplace_back(p.name, p.tensor.detach().cpu());
+  return out;
+}
+
+Stats Baseline::stats() {
+  Stats s;
+  s.bytes_h2d = bytes_h2d_;
+  auto& mem = s.devices[config_.device.str()];
+  mem.resident_param_bytes = mem.peak_param_bytes = model().parameter_bytes();
+  const auto alloc = device::allocator_stats(config_.device);
+  mem.peak_allocated = alloc.peak_allocated;
+  mem.peak_reserved = alloc.peak_reserved;
+  return s;
+}
+
+void Baseline::reset_stats() {
+  bytes_h2d_ = 0;
+  device::reset_peak_stats(config_.device);
+}
+
+STRATA_REGISTER_STRATEGY("baseline", "whole model on one device, plain autograd (the ground truth)",
+                         [](const StrategyConfig& c) {
+                           return std::make_unique<Baseline>("baseline", c, BaselineOptions::parse(c.options));
+                         });
+
+STRATA_REGISTER_STRATEGY("baseline_checkpoint", "baseline with every block recomputed in backward",
+                         [](const StrategyConfig& c) {
+                           auto options = BaselineOptions::parse(c.options);
+                           options.checkpoint = true;
+                           return std::make_unique<Baseline>("baseline_checkpoint", c, options);
+                         });
+
+}  // namespace strata

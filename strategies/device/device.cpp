@@ -1,0 +1,251 @@
+#include "strategies/device/device.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <regex>
+#include <thread>
+
+#include "models/check.h"
+
+namespace strata::device {
+
+bool cuda_available() { return torch::cuda::is_available(); }
+int64_t cuda_device_count() { return cuda_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0; }
+
+torch::Device parse(const std::string& text) {
+  static const std::regex pattern("^(cpu|cuda)(:([0-9]+))?$");
+  std::smatch m;
+  STRATA_CHECK(std::regex_match(text, m, pattern),
+               "device '" << text << "' is not valid; expected cpu, cuda or cuda:N");
+  STRATA_CHECK(!(m[1] == "cpu" && m[2].matched), "device '" << text << "': the CPU takes no index; use cpu");
+  torch::Device device = m[1] == "cpu" ? torch::Device(torch::kCPU)
+                                       : torch::Device(torch::kCUDA, m[2].matched ? std::stoi(m[3]) : 0);
+  check_available(device);
+  return device;
+}
+
+void check_available(const torch::Device& device) {
+  if (device.is_cpu()) return;
+  STRATA_CHECK(device.is_cuda(), "device '" << device << "' is not supported; use cpu or cuda:N");
+  const auto n = cuda_device_count();
+  STRATA_CHECK(n > 0, "device '" << device << "' is not available: this machine has no CUDA device");
+  STRATA_CHECK(device.index() < n, "device '" << device << "' is not available: this machine has " << n
+                                              << " CUDA device(s), cuda:0 to cuda:" << n - 1);
+}
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) detail::cuda_synchronize(device);
+}
+
+torch::Tensor host_buffer(at::IntArrayRef sizes, torch::ScalarType dtype, const torch::Device& device) {
+  return torch::empty(sizes, torch::TensorOptions().dtype(dtype).pinned_memory(device.is_cuda()));
+}
+
+AllocatorStats allocator_stats(const torch::Device& device) {
+  return device.is_cuda() ? detail::cuda_allocator_stats(device) : AllocatorStats{};
+}
+
+void reset_peak_stats(const torch::Device& device) {
+  if (device.is_cuda()) detail::cuda_reset_peak_stats(device);
+}
+
+namespace {
+std::mutex delays_mutex;
+Delays current_delays;
+}  // namespace
+
+Delays injected_delays() {
+  std::lock_guard<std::mutex> lock(delays_mutex);
+  return current_delays;
+}
+
+ScopedDelays::ScopedDelays(Delays delays) {
+  std::lock_guard<std::mutex> lock(delays_mutex);
+  previous_ = current_delays;
+  current_delays = delays;
+}
+
+ScopedDelays::~ScopedDelays() {
+  std::lock_guard<std::mutex> lock(delays_mutex);
+  current_delays = previous_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU implementation.
+namespace {
+
+class CpuEvent : public EventImpl {
+ public:
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  bool done() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  void complete() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+};
+
+std::shared_ptr<CpuEvent> completed_event() {
+  auto e = std::make_shared<CpuEvent>();
+  e->complete();
+  return e;
+}
+
+void copy_now(const torch::Tensor& dst, const torch::Tensor& src) {
+  torch::NoGradGuard no_grad;
+  dst.copy_(src);
+}
+
+// Compute on the CPU runs in the calling thread, so this "stream" does its work immediately.
+class CpuComputeStream : public StreamImpl {
+ public:
+  const torch::Device& device() const override { return device_; }
+  void copy(const torch::Tensor& dst, const torch::Tensor& src) override {
+    delay(injected_delays().copy);
+    copy_now(dst, src);
+  }
+  std::shared_ptr<EventImpl> record() override { return completed_event(); }
+  void wait(const std::shared_ptr<EventImpl>& event) override {
+    if (event) event->synchronize();
+  }
+  void synchronize() override {}
+  void keep_alive(const torch::Tensor&) override {}
+  void delay(std::chrono::microseconds d) override {
+    if (d.count() > 0) std::this_thread::sleep_for(d);
+  }
+  std::shared_ptr<void> make_current() override { return nullptr; }
+
+ private:
+  torch::Device device_{torch::kCPU};
+};
+
+// A side stream on the CPU: one worker thread that runs queued tasks in order, like a copy engine.
+class CpuSideStream : public StreamImpl {
+ public:
+  CpuSideStream() : worker_([this] { run(); }) {}
+  ~CpuSideStream() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  const torch::Device& device() const override { return device_; }
+  void copy(const torch::Tensor& dst, const torch::Tensor& src) override {
+    const auto d = injected_delays().copy;
+    // The task holds dst and src until it has run, so neither can be freed under it.
+    enqueue([dst, src, d] {
+      if (d.count() > 0) std::this_thread::sleep_for(d);
+      copy_now(dst, src);
+    });
+  }
+  std::shared_ptr<EventImpl> record() override {
+    auto e = std::make_shared<CpuEvent>();
+    enqueue([e] { e->complete(); });
+    return e;
+  }
+  void wait(const std::shared_ptr<EventImpl>& event) override {
+    if (event) enqueue([event] { event->synchronize(); });
+  }
+  void synchronize() override { record()->synchronize(); }
+  void keep_alive(const torch::Tensor&) override {}
+  void delay(std::chrono::microseconds d) override {
+    if (d.count() > 0) enqueue([d] { std::this_thread::sleep_for(d); });
+  }
+  std::shared_ptr<void> make_current() override { return nullptr; }
+
+ private:
+  void enqueue(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_all();
+  }
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, and everything queued has run
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  torch::Device device_{torch::kCPU};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::thread worker_;  // last: started once the members it uses exist
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch.
+void Event::synchronize() const {
+  if (impl_) impl_->synchronize();
+}
+bool Event::done() const { return !impl_ || impl_->done(); }
+
+Stream Stream::compute(const torch::Device& device) {
+  check_available(device);
+  if (device.is_cuda()) return Stream(detail::cuda_compute_stream(device));
+  static auto cpu = std::make_shared<CpuComputeStream>();
+  return Stream(cpu);
+}
+
+Stream Stream::side(const torch::Device& device) {
+  check_available(device);
+  if (device.is_cuda()) return Stream(detail::cuda_side_stream(device));
+  return Stream(std::make_shared<CpuSideStream>());
+}
+
+const torch::Device& Stream::device() const { return impl_->device(); }
+void Stream::copy(const torch::Tensor& dst, const torch::Tensor& src) { impl_->copy(dst, src); }
+Event Stream::record() { return Event(impl_->record()); }
+void Stream::wait(const Event& event) { impl_->wait(event.impl()); }
+void Stream::synchronize() { impl_->synchronize(); }
+void Stream::keep_alive(const torch::Tensor& t) { impl_->keep_alive(t); }
+void Stream::delay(std::chrono::microseconds d) { impl_->delay(d); }
+void Stream::compute_point() { impl_->delay(injected_delays().compute); }
+
+Stream::Guard::Guard(const Stream& stream) : state_(stream.impl()->make_current()) {}
+Stream::Guard::~Guard() = default;
+
+#ifndef STRATA_WITH_CUDA
+namespace detail {
+// This LibTorch has no CUDA; check_available() has already refused any CUDA device.
+std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& d) {
+  STRATA_CHECK(false, "device '" << d << "': strata was built against a LibTorch without CUDA");
+}
+std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& d) { return cuda_compute_stream(d); }
+AllocatorStats cuda_allocator_stats(const torch::Device&) { return {}; }
+void cuda_reset_peak_stats(const torch::Device&) {}
+void cuda_synchronize(const torch::Device&) {}
+}  // namespace detail
+#endif
+
+}  // namespace strata::device

@@ -1,0 +1,146 @@
+#pragma once
+// The device layer: everything that differs between a CUDA device and the CPU (streams, events,
+// pinned host memory, allocator statistics) behind one small API with a CPU implementation, so a
+// strategy runs the same code on both. On the CPU a side stream is a worker thread acting as copy
+// engine, which makes the asynchrony real (and testable) without a GPU.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace strata::device {
+
+bool cuda_available();
+int64_t cuda_device_count();
+
+/// "cpu", "cuda" or "cuda:N"; an Error names the value if it is malformed or the device is absent.
+torch::Device parse(const std::string& text);
+/// Throws an Error naming `device` if it does not exist on this machine.
+void check_available(const torch::Device& device);
+/// Waits until all work queued on `device` has finished (no-op on CPU).
+void synchronize(const torch::Device& device);
+
+/// Host memory for buffers that stream to and from `device`: page-locked when `device` is CUDA
+/// (copies from pageable memory are not asynchronous), ordinary memory otherwise.
+torch::Tensor host_buffer(at::IntArrayRef sizes, torch::ScalarType dtype, const torch::Device& device);
+
+/// Caching-allocator statistics of a CUDA device, in bytes; all zero for the CPU.
+struct AllocatorStats {
+  int64_t allocated = 0, reserved = 0, peak_allocated = 0, peak_reserved = 0;
+};
+AllocatorStats allocator_stats(const torch::Device& device);
+void reset_peak_stats(const torch::Device& device);
+
+/// Delays injected into every queued copy and at every compute point a strategy marks, to expose
+/// missing waits (asynchrony tests). Zero by default.
+struct Delays {
+  std::chrono::microseconds copy{0};
+  std::chrono::microseconds compute{0};
+};
+Delays injected_delays();
+/// Sets the delays for the lifetime of the object, then restores the previous ones.
+class ScopedDelays {
+ public:
+  explicit ScopedDelays(Delays delays);
+  ~ScopedDelays();
+  ScopedDelays(const ScopedDelays&) = delete;  // restores once; a copy would restore twice
+  ScopedDelays& operator=(const ScopedDelays&) = delete;
+
+ private:
+  Delays previous_;
+};
+
+class StreamImpl;
+class EventImpl;
+
+/// A point in a stream's queue; the host or another stream can wait for it.
+class Event {
+ public:
+  Event() = default;  ///< an event that is already complete
+  explicit Event(std::shared_ptr<EventImpl> impl) : impl_(std::move(impl)) {}
+  /// Blocks the host until the work before the event has finished.
+  void synchronize() const;
+  /// True once the work before the event has finished.
+  bool done() const;
+  const std::shared_ptr<EventImpl>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<EventImpl> impl_;
+};
+
+/// An ordered queue of device work.
+class Stream {
+ public:
+  /// The stream compute runs on: CUDA's current stream; on the CPU, the calling thread.
+  static Stream compute(const torch::Device& device);
+  /// A new side stream: a CUDA stream from the pool; on the CPU, a worker thread of its own.
+  static Stream side(const torch::Device& device);
+
+  const torch::Device& device() const;
+  /// Queues dst.copy_(src) behind everything queued so far; returns at once on side streams.
+  void copy(const torch::Tensor& dst, const torch::Tensor& src);
+  /// Queues an event and returns it.
+  Event record();
+  /// Makes later work on this stream wait for `event` (blocks the host only on CPU compute).
+  void wait(const Event& event);
+  /// Blocks the host until everything queued so far has finished.
+  void synchronize();
+  /// Tells the caching allocator that `t` is in use by this stream's queued work, so freeing it
+  /// elsewhere does not hand its memory out before that work is done (CPU: the queued task
+  /// holds a reference already).
+  void keep_alive(const torch::Tensor& t);
+  /// Queues a delay of `d` (a spinning kernel on CUDA, a sleep on CPU).
+  void delay(std::chrono::microseconds d);
+  /// Queues the injected compute delay, if any (call before compute that reads fetched data).
+  void compute_point();
+
+  /// Makes `stream` the current stream for tensor operations in this scope (no-op on CPU).
+  class Guard {
+   public:
+    explicit Guard(const Stream& stream);
+    ~Guard();
+    Guard(const Guard&) = delete;  // restores the previous stream once
+    Guard& operator=(const Guard&) = delete;
+
+   private:
+    std::shared_ptr<void> state_;
+  };
+
+  const std::shared_ptr<StreamImpl>& impl() const { return impl_; }
+
+ private:
+  explicit Stream(std::shared_ptr<StreamImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<StreamImpl> impl_;
+};
+
+// Implementation interfaces (device.cpp for the CPU, device_cuda.cpp for CUDA).
+class EventImpl {
+ public:
+  virtual ~EventImpl() = default;
+  virtual void synchronize() = 0;
+  virtual bool done() = 0;
+};
+
+class StreamImpl {
+ public:
+  virtual ~StreamImpl() = default;
+  virtual const torch::Device& device() const = 0;
+  virtual void copy(const torch::Tensor& dst, const torch::Tensor& src) = 0;
+  virtual std::shared_ptr<EventImpl> record() = 0;
+  virtual void wait(const std::shared_ptr<EventImpl>& event) = 0;
+  virtual void synchronize() = 0;
+  virtual void keep_alive(const torch::Tensor& t) = 0;
+  virtual void delay(std::chrono::microseconds d) = 0;
+  virtual std::shared_ptr<void> make_current() = 0;
+};
+
+namespace detail {
+std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device);
+std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device);
+AllocatorStats cuda_allocator_stats(const torch::Device& device);
+void cuda_reset_peak_stats(const torch::Device& device);
+void cuda_synchronize(const torch::Device& device);
+}  // namespace detail
+
+}  // namespace strata::device

@@ -1,0 +1,91 @@
+// CUDA implementation of the device layer; compiled only against a LibTorch with CUDA.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "strategies/device/device.h"
+
+namespace strata::device::detail {
+namespace {
+
+// at::cuda::sleep spins for a number of clock cycles; ~2 GHz is close enough for a delay.
+constexpr int64_t kCyclesPerMicrosecond = 2000;
+
+class CudaEvent : public EventImpl {
+ public:
+  explicit CudaEvent(const c10::cuda::CUDAStream& stream) { event_.record(stream); }
+  void synchronize() override { event_.synchronize(); }
+  bool done() override { return event_.query(); }
+  void block(const c10::cuda::CUDAStream& stream) { event_.block(stream); }
+
+ private:
+  at::cuda::CUDAEvent event_;
+};
+
+class CudaStream : public StreamImpl {
+ public:
+  CudaStream(const torch::Device& device, c10::cuda::CUDAStream stream) : device_(device), stream_(stream) {}
+  const torch::Device& device() const override { return device_; }
+  void copy(const torch::Tensor& dst, const torch::Tensor& src) override {
+    c10::cuda::CUDAStreamGuard guard(stream_);
+    delay(injected_delays().copy);
+    torch::NoGradGuard no_grad;
+    dst.copy_(src, /*non_blocking=*/true);
+  }
+  std::shared_ptr<EventImpl> record() override { return std::make_shared<CudaEvent>(stream_); }
+  void wait(const std::shared_ptr<EventImpl>& event) override {
+    if (event) static_cast<CudaEvent&>(*event).block(stream_);
+  }
+  void synchronize() override { stream_.synchronize(); }
+  void keep_alive(const torch::Tensor& t) override {
+    if (t.defined() && t.is_cuda() && t.storage().data())
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+  }
+  void delay(std::chrono::microseconds d) override {
+    if (d.count() <= 0) return;
+    c10::cuda::CUDAStreamGuard guard(stream_);
+    at::cuda::sleep(d.count() * kCyclesPerMicrosecond);
+  }
+  std::shared_ptr<void> make_current() override {
+    return std::make_shared<c10::cuda::CUDAStreamGuard>(stream_);
+  }
+
+ private:
+  torch::Device device_;
+  c10::cuda::CUDAStream stream_;
+};
+
+}  // namespace
+
+std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device) {
+  return std::make_shared<CudaStream>(device, c10::cuda::getCurrentCUDAStream(device.index()));
+}
+
+std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device) {
+  return std::make_shared<CudaStream>(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
+}
+
+AllocatorStats cuda_allocator_stats(const torch::Device& device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  constexpr auto all = 0;  // StatType::AGGREGATE
+  AllocatorStats out;
+  out.allocated = stats.allocated_bytes[all].current;
+  out.reserved = stats.reserved_bytes[all].current;
+  out.peak_allocated = stats.allocated_bytes[all].peak;
+  out.peak_reserved = stats.reserved_bytes[all].peak;
+  return out;
+}
+
+void cuda_reset_peak_stats(const torch::Device& device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+}
+
+void cuda_synchronize(const torch::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::device_synchronize();
+}
+
+}  // namespace strata::device::detail

@@ -1,0 +1,37 @@
+#pragma once
+// The optimizers every strategy applies, one tensor at a time, wherever its master parameters live
+// (host or device). One implementation, so a strategy and the baseline run the same operations.
+#include <torch/torch.h>
+
+#include <string>
+
+namespace strata {
+
+enum class OptimizerKind { sgd, adamw };
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::sgd;
+  double lr = 0.01;
+  double momentum = 0.9;       ///< sgd
+  double beta1 = 0.9;          ///< adamw
+  double beta2 = 0.999;        ///< adamw
+  double eps = 1e-8;           ///< adamw
+  double weight_decay = 0.01;  ///< adamw, decoupled
+
+  void validate() const;
+  std::string to_string() const;
+};
+OptimizerKind parse_optimizer_kind(const std::string& name);
+
+/// Per-parameter optimizer state.
+struct OptimizerState {
+  torch::Tensor exp_avg;     ///< sgd: momentum buffer; adamw: first moment
+  torch::Tensor exp_avg_sq;  ///< adamw: second moment
+  int64_t step = 0;
+};
+
+/// Applies one step to `param` in place from `grad` (same device and dtype).
+void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
+                      OptimizerState& state);
+
+}  // namespace strata

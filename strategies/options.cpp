@@ -1,0 +1,71 @@
+#include "strategies/options.h"
+
+#include <sstream>
+
+namespace strata {
+
+const std::string* OptionReader::find(const std::string& key) {
+  known_.insert(key);
+  auto it = options_.find(key);
+  return it == options_.end() ? nullptr : &it->second;
+}
+
+bool OptionReader::get_bool(const std::string& key, bool fallback) {
+  const auto* v = find(key);
+  if (!v) return fallback;
+  if (*v == "1" || *v == "true" || *v == "on") return true;
+  if (*v == "0" || *v == "false" || *v == "off") return false;
+  STRATA_CHECK(false, strategy_ << ": option " << key << "='" << *v << "' is not a boolean (use 1/0, true/false, on/off)");
+}
+
+int64_t OptionReader::get_int(const std::string& key, int64_t fallback) {
+  const auto* v = find(key);
+  if (!v) return fallback;
+  size_t used = 0;
+  int64_t out = 0;
+  try {
+    out = std::stoll(*v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  STRATA_CHECK(used == v->size() && !v->empty(), strategy_ << ": option " << key << "='" << *v << "' is not an integer");
+  return out;
+}
+
+std::string OptionReader::get_string(const std::string& key, const std::string& fallback) {
+  const auto* v = find(key);
+  return v ? *v : fallback;
+}
+
+std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::vector<int64_t>& fallback) {
+  const auto* v = find(key);
+  if (!v) return fallback;
+  std::vector<int64_t> out;
+  std::stringstream in(*v);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    int64_t x = 0;
+    try {
+      x = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    STRATA_CHECK(used == item.size() && !item.empty(),
+                 strategy_ << ": option " << key << "='" << *v << "' is not a comma-separated list of integers");
+    out.push_back(x);
+  }
+  return out;
+}
+
+void OptionReader::finish() const {
+  for (const auto& [key, value] : options_) {
+    if (known_.count(key)) continue;
+    std::string known;
+    for (const auto& k : known_) known += (known.empty() ? "" : ", ") + k;
+    STRATA_CHECK(false, strategy_ << ": unknown option '" << key << "'; known options: "
+                                  << (known.empty() ? "(none)" : known));
+  }
+}
+
+}  // namespace strata

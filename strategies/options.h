@@ -1,0 +1,33 @@
+#pragma once
+// Reading a strategy's text options into its options struct: every key must be known, every value
+// must parse, and the error names the strategy, the key and the value.
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "models/check.h"
+
+namespace strata {
+
+class OptionReader {
+ public:
+  OptionReader(std::string strategy, const std::map<std::string, std::string>& options)
+      : strategy_(std::move(strategy)), options_(options) {}
+
+  bool get_bool(const std::string& key, bool fallback);
+  int64_t get_int(const std::string& key, int64_t fallback);
+  std::string get_string(const std::string& key, const std::string& fallback);
+  /// Comma-separated integers, e.g. "3,2,1".
+  std::vector<int64_t> get_ints(const std::string& key, const std::vector<int64_t>& fallback);
+  /// Rejects keys nobody asked for (typos), listing the known ones. Call after the gets.
+  void finish() const;
+
+ private:
+  const std::string* find(const std::string& key);
+  std::string strategy_;
+  const std::map<std::string, std::string>& options_;
+  std::set<std::string> known_;
+};
+
+}  // namespace strata

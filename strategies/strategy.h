@@ -1,0 +1,102 @@
+#pragma once
+// The one interface every training strategy sits behind. Tests and benchmarks see nothing else.
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/model.h"
+#include "strategies/optim.h"
+
+namespace strata {
+
+/// Host tensors by canonical name, in canonical order; tied parameters appear once.
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// Memory of one device, in bytes.
+struct DeviceMemory {
+  int64_t resident_param_bytes = 0;  ///< parameter bytes on the device now (strategy accounting)
+  int64_t peak_param_bytes = 0;      ///< most parameter bytes on it at once since reset_stats()
+  int64_t peak_allocated = 0;        ///< CUDA caching allocator peak since reset_stats(); 0 on CPU
+  int64_t peak_reserved = 0;
+};
+
+/// What a strategy moved and held since the last reset_stats().
+struct Stats {
+  int64_t bytes_h2d = 0;           ///< host to device
+  int64_t bytes_d2h = 0;           ///< device to host
+  int64_t bytes_interconnect = 0;  ///< device to device and collectives
+  std::map<std::string, DeviceMemory> devices;  ///< by device name ("cuda:0", "cpu")
+};
+
+/// Everything a strategy is built from. Strategy-specific knobs travel as text in `options` and are
+/// parsed and validated by the strategy's own options struct.
+struct StrategyConfig {
+  torch::Device device{torch::kCPU};      ///< main device: inputs start here
+  std::vector<torch::Device> devices;     ///< all devices the strategy may use; empty means {device}
+  OptimizerConfig optimizer;
+  std::map<std::string, std::string> options;
+};
+
+class Strategy {
+ public:
+  Strategy() = default;
+  virtual ~Strategy() = default;
+  // A strategy owns device buffers, streams and the model's placement; a copy would alias them.
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+  Strategy(Strategy&&) = default;
+  Strategy& operator=(Strategy&&) = default;
+
+  /// The registered name.
+  virtual std::string name() const = 0;
+  /// Takes over placement of the model's parameters (move, wrap, shard or stage them).
+  virtual void attach(models::BlockModel model) = 0;
+  /// Forward and backward over `batch` (host tensors); gradients accumulate until
+  /// optimizer_step(). Returns the mean loss.
+  virtual double train_step(const models::Batch& batch) = 0;
+  /// Forward only, without building a graph; returns the output on the strategy's last device.
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// One optimizer step wherever the strategy keeps master parameters, then zeroes gradients.
+  virtual void optimizer_step() = 0;
+  /// Full, unsharded gradients as host tensors by canonical name (zeros where none accumulated).
+  virtual NamedTensors gradients() = 0;
+  /// Full, unsharded parameters as host tensors by canonical name.
+  virtual NamedTensors parameters() = 0;
+  /// Bytes moved and memory held since the last reset_stats().
+  virtual Stats stats() = 0;
+  /// Zeroes the byte counters and the peaks (allocator peaks included).
+  virtual void reset_stats() = 0;
+};
+
+using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
+
+/// Strategies by name. Each strategy registers itself with one STRATA_REGISTER_STRATEGY line.
+class Registry {
+ public:
+  /// Adds a strategy; a name registered twice is an Error.
+  static void add(const std::string& name, const std::string& description, StrategyFactory factory);
+  /// Builds the strategy `name`; an unknown name is an Error that lists the registered ones.
+  static std::unique_ptr<Strategy> create(const std::string& name, const StrategyConfig& config);
+  /// Registered names, sorted.
+  static std::vector<std::string> names();
+  static std::string description(const std::string& name);
+};
+
+struct Registrar {
+  Registrar(const std::string& name, const std::string& description, StrategyFactory factory) {
+    Registry::add(name, description, std::move(factory));
+  }
+};
+
+#define STRATA_CONCAT_INNER(a, b) a##b
+#define STRATA_CONCAT(a, b) STRATA_CONCAT_INNER(a, b)
+/// STRATA_REGISTER_STRATEGY("name", "what it is", [](const StrategyConfig& c) { return ...; });
+#define STRATA_REGISTER_STRATEGY(name, description, factory) \
+  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __LINE__)(name, description, factory)
+
+}  // namespace strata
