@@ -64,7 +64,7 @@ TEST(Models, tied_parameter_is_one_tensor_under_its_first_name) {
 }
 
 TEST(Models, mlp_tied_output_uses_the_input_weight) {
-  const auto& c = models::preset("mlp-tied-tiny").config;
+  const auto c = models::preset("mlp-tied-tiny").config;
   auto model = models::build_model(c, 0);
   EXPECT_TRUE(model.has_tied_parameters());
   const int64_t d = c.width, in = c.in_features, L = c.depth;
@@ -92,7 +92,7 @@ TEST(Models, outputs_have_the_right_shape_and_an_initial_loss_near_log_classes) 
 }
 
 TEST(Models, batches_are_deterministic_and_in_range) {
-  const auto& c = models::preset("gpt-tiny").config;
+  const auto c = models::preset("gpt-tiny").config;
   auto a = models::make_batch(c, 3, 11), b = models::make_batch(c, 3, 11);
   EXPECT_TRUE(torch::equal(a.input, b.input));
   EXPECT_TRUE(torch::equal(a.target, b.target));
@@ -105,7 +105,7 @@ TEST(Models, batches_are_deterministic_and_in_range) {
 }
 
 TEST(Models, flops_per_item_match_the_hand_count) {
-  const auto& c = models::preset("gpt-871m").config;
+  const auto c = models::preset("gpt-871m").config;
   models::BlockModel empty(c, {});
   const double d = 2048, L = 16, V = 32000, T = 1024;
   EXPECT_DOUBLE_EQ(empty.forward_flops_per_item(), 2 * (L * 12 * d * d + V * d) + 4 * L * T * d);

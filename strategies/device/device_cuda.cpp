@@ -4,6 +4,7 @@
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "strategies/device/device.h"
@@ -68,7 +69,14 @@ std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device) {
   return std::make_shared<CudaStream>(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
 }
 
+// The caching allocator sets up its per-device state on first use; asking for statistics before
+// any allocation would be refused ("Invalid device argument").
+void ensure_allocator(const torch::Device& device) {
+  (void)torch::empty({1}, torch::TensorOptions().device(device));
+}
+
 AllocatorStats cuda_allocator_stats(const torch::Device& device) {
+  ensure_allocator(device);
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
   constexpr auto all = 0;  // StatType::AGGREGATE
   AllocatorStats out;
@@ -80,6 +88,7 @@ AllocatorStats cuda_allocator_stats(const torch::Device& device) {
 }
 
 void cuda_reset_peak_stats(const torch::Device& device) {
+  ensure_allocator(device);
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 }
 

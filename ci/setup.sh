@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what strata builds and runs with on Debian 12 / Ubuntu 24.04. Idempotent: installs only
+# what is missing, and touches apt's lists only then.
+set -euo pipefail
+packages=(build-essential cmake ninja-build ccache
+          libtorch-dev libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev libbenchmark-tools librapidcheck-dev
+          python3 python3-matplotlib)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "ci/setup.sh: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "ci/setup.sh: installing ${missing[*]}"
+sudo_cmd=""
+[ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+$sudo_cmd apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
