@@ -7,5 +7,8 @@ bash ci/setup.sh
 start=$(date +%s)
 cmake --preset cpu
 cmake --build --preset cpu
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "ci/test.sh: no CUDA device here: tests labelled cuda will be reported as skipped (each prints the reason)"
+fi
 ctest --preset cpu -j "$(nproc)" "$@"
 echo "ci/test.sh: build and tests took $(( $(date +%s) - start )) s"

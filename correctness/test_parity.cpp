@@ -111,3 +111,14 @@ TEST(ParityChecker, compares_names_shapes_and_values) {
 
 }  // namespace
 }  // namespace strata::correctness
+
+namespace strata::correctness {
+namespace {
+TEST(Generators, block_count_matches_the_built_model) {
+  for (const auto* name : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
+    const auto& c = models::preset(name).config;
+    EXPECT_EQ(block_count(c), models::build_model(c, 0).num_blocks()) << name;
+  }
+}
+}  // namespace
+}  // namespace strata::correctness

@@ -25,8 +25,41 @@ rc::Gen<models::ModelConfig> gen_model_config() {
       rc::gen::arbitrary<bool>());
 }
 
+int64_t block_count(const models::ModelConfig& c) {
+  switch (c.kind) {
+    case models::ModelKind::mlp: return c.depth + 1;   // dense layers + output
+    case models::ModelKind::gpt: return c.depth + 2;   // embedding + blocks + head
+    case models::ModelKind::bert: return c.depth + 3;  // embedding + blocks + pooler + classifier
+  }
+  return 0;
+}
+
+namespace {
+
+// hook_offload: prefetch depth, activations kept or recomputed, last block merged or not, and
+// sometimes one block kept resident.
+rc::Gen<std::map<std::string, std::string>> hook_offload_options(const models::ModelConfig& model,
+                                                                  const std::vector<std::string>&) {
+  const int64_t blocks = block_count(model);
+  return rc::gen::apply(
+      [](int prefetch, bool keep, bool merge_last, int resident) {
+        std::map<std::string, std::string> o{{"prefetch", std::to_string(prefetch)},
+                                             {"activations", keep ? "keep" : "recompute"},
+                                             {"merge_last", merge_last ? "1" : "0"}};
+        if (resident >= 0) o["resident"] = std::to_string(resident);
+        return o;
+      },
+      rc::gen::inRange(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
+      rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, rc::gen::inRange<int>(0, static_cast<int>(blocks))}}));
+}
+
+}  // namespace
+
 const std::map<std::string, OptionsGenerator>& option_generators() {
-  static const std::map<std::string, OptionsGenerator> all = {};
+  static const std::map<std::string, OptionsGenerator> all = {
+      {"hook_offload", hook_offload_options},
+      {"hook_offload_overlap", hook_offload_options},
+  };
   return all;
 }
 

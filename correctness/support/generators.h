@@ -16,6 +16,9 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
 
 using OptionsGenerator = std::function<rc::Gen<std::map<std::string, std::string>>(
     const models::ModelConfig&, const std::vector<std::string>& devices)>;
+/// Blocks in a model of `config` (without building it).
+int64_t block_count(const models::ModelConfig& config);
+
 /// Strategy name -> generator of its options; a strategy with options adds itself here.
 const std::map<std::string, OptionsGenerator>& option_generators();
 

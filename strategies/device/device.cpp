@@ -74,6 +74,76 @@ ScopedDelays::~ScopedDelays() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Host queue.
+struct HostQueue::State {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;
+  size_t submitted = 0, finished = 0;
+  bool stopping = false;
+  std::exception_ptr error;
+  std::thread worker;
+
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+        if (tasks.empty()) return;  // stopping, and everything submitted has run
+        task = std::move(tasks.front());
+        tasks.pop_front();
+      }
+      std::exception_ptr failure;
+      try {
+        task();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (failure && !error) error = failure;
+        ++finished;
+      }
+      cv.notify_all();
+    }
+  }
+};
+
+HostQueue::HostQueue() : state_(std::make_unique<State>()) {
+  state_->worker = std::thread([s = state_.get()] { s->run(); });
+}
+
+HostQueue::~HostQueue() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->cv.notify_all();
+  state_->worker.join();
+}
+
+void HostQueue::submit(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->tasks.push_back(std::move(task));
+    ++state_->submitted;
+  }
+  state_->cv.notify_all();
+}
+
+void HostQueue::drain() {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  const size_t target = state_->submitted;
+  state_->cv.wait(lock, [&] { return state_->finished >= target; });
+  if (state_->error) {
+    auto e = state_->error;
+    state_->error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // CPU implementation.
 namespace {
 
@@ -135,70 +205,36 @@ class CpuComputeStream : public StreamImpl {
   torch::Device device_{torch::kCPU};
 };
 
-// A side stream on the CPU: one worker thread that runs queued tasks in order, like a copy engine.
+// A side stream on the CPU: a HostQueue whose thread acts as the copy engine.
 class CpuSideStream : public StreamImpl {
  public:
-  CpuSideStream() : worker_([this] { run(); }) {}
-  ~CpuSideStream() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
   const torch::Device& device() const override { return device_; }
   void copy(const torch::Tensor& dst, const torch::Tensor& src) override {
     const auto d = injected_delays().copy;
     // The task holds dst and src until it has run, so neither can be freed under it.
-    enqueue([dst, src, d] {
+    queue_.submit([dst, src, d] {
       if (d.count() > 0) std::this_thread::sleep_for(d);
       copy_now(dst, src);
     });
   }
   std::shared_ptr<EventImpl> record() override {
     auto e = std::make_shared<CpuEvent>();
-    enqueue([e] { e->complete(); });
+    queue_.submit([e] { e->complete(); });
     return e;
   }
   void wait(const std::shared_ptr<EventImpl>& event) override {
-    if (event) enqueue([event] { event->synchronize(); });
+    if (event) queue_.submit([event] { event->synchronize(); });
   }
-  void synchronize() override { record()->synchronize(); }
+  void synchronize() override { queue_.drain(); }
   void keep_alive(const torch::Tensor&) override {}
   void delay(std::chrono::microseconds d) override {
-    if (d.count() > 0) enqueue([d] { std::this_thread::sleep_for(d); });
+    if (d.count() > 0) queue_.submit([d] { std::this_thread::sleep_for(d); });
   }
   std::shared_ptr<void> make_current() override { return nullptr; }
 
  private:
-  void enqueue(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_all();
-  }
-  void run() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;  // stopping, and everything queued has run
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-
   torch::Device device_{torch::kCPU};
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stopping_ = false;
-  std::thread worker_;  // last: started once the members it uses exist
+  HostQueue queue_;
 };
 
 }  // namespace

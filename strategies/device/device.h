@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -53,6 +54,25 @@ class ScopedDelays {
 
 class StreamImpl;
 class EventImpl;
+
+/// A worker thread that runs submitted host functions in order. The CPU's side streams are built
+/// on it, and strategies use it for host-side work that must not block the caller (accumulating
+/// gradients that arrived from the device, host optimizer updates).
+class HostQueue {
+ public:
+  HostQueue();
+  ~HostQueue();  ///< runs everything submitted, then stops
+  HostQueue(const HostQueue&) = delete;  // owns a thread
+  HostQueue& operator=(const HostQueue&) = delete;
+
+  void submit(std::function<void()> task);
+  /// Blocks until everything submitted so far has run; rethrows the first error a task threw.
+  void drain();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 /// A point in a stream's queue; the host or another stream can wait for it.
 class Event {

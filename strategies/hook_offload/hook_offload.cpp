@@ -1,0 +1,474 @@
+#include "strategies/hook_offload/hook_offload.h"
+
+#include <unordered_map>
+
+#include "models/check.h"
+#include "models/compat.h"
+#include "strategies/options.h"
+
+namespace strata {
+
+HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::string>& options) {
+  OptionReader reader("hook_offload", options);
+  HookOffloadOptions o;
+  o.prefetch = reader.get_int("prefetch", o.prefetch);
+  const auto activations = reader.get_string("activations", "recompute");
+  STRATA_CHECK(activations == "recompute" || activations == "keep",
+               "hook_offload: option activations='" << activations << "' is not valid; use recompute or keep");
+  o.recompute = activations == "recompute";
+  o.merge_last = reader.get_bool("merge_last", o.merge_last);
+  o.resident = reader.get_ints("resident", o.resident);
+  o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
+  o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
+  o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
+  reader.finish();
+  o.validate();
+  return o;
+}
+
+void HookOffloadOptions::validate() const {
+  STRATA_CHECK(prefetch >= 0, "hook_offload: prefetch=" << prefetch << " must be 0 (synchronous) or more");
+  for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
+}
+
+void HookOffloadOptions::validate_for(int64_t num_blocks) const {
+  for (auto b : resident)
+    STRATA_CHECK(b < num_blocks, "hook_offload: resident block " << b << " does not exist; the model has "
+                                                                 << num_blocks << " blocks (0 to " << num_blocks - 1
+                                                                 << ")");
+}
+
+// A unit is what moves as one: the parameters only one block uses (that block's own), or one
+// parameter several blocks share (a tied weight). Each has one flat pinned host copy of its values
+// and gradients, and one flat device buffer whose memory exists only while it is held.
+struct HookOffload::Unit {
+  std::vector<int64_t> params;  ///< indices into model().parameters(), in flat order
+  int64_t numel = 0;
+  int64_t bytes = 0;
+  int users = 0;                ///< blocks whose window holds this unit
+  torch::Tensor host_param, host_grad;
+  torch::Tensor device_flat;    ///< parameters are views of it; its storage is released when unheld
+  int references = 0;
+  device::Event loaded;
+  bool grad_filled = false;     ///< host_grad holds this step's gradient (else it is stale)
+  int pending_users = 0;        ///< overlap mode: backward contributions still to come this step
+  OptimizerState optimizer;
+};
+
+HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
+    : name_(std::move(name)),
+      config_(config),
+      options_(std::move(options)),
+      compute_(device::Stream::compute(config.device)),
+      h2d_(device::Stream::side(config.device)),
+      d2h_(device::Stream::side(config.device)) {}
+
+HookOffload::~HookOffload() {
+  // Queued copies reference host and device buffers: let them finish first.
+  try {
+    host_.drain();
+    h2d_.synchronize();
+    d2h_.synchronize();
+  } catch (...) {
+  }
+}
+
+models::BlockModel& HookOffload::model() {
+  STRATA_CHECK(model_.has_value(), name_ << ": attach() a model first");
+  return *model_;
+}
+
+bool HookOffload::merged(int64_t block) const {
+  return options_.merge_last && block == static_cast<int64_t>(windows_.size()) - 1;
+}
+
+bool HookOffload::recompute_block(int64_t block) const {
+  // A block that stays on the device through backward keeps its activations: nothing to save by
+  // recomputing it.
+  return options_.recompute && !merged(block) && !permanent_[block];
+}
+
+void HookOffload::attach(models::BlockModel model) {
+  options_.validate_for(model.num_blocks());
+  const auto& params = model.parameters();
+  const auto& uses = model.block_parameters();
+  std::vector<int> users(params.size(), 0);
+  for (const auto& u : uses)
+    for (auto p : u) ++users[p];
+
+  // Units: each block's own parameters, then one unit per shared parameter.
+  std::vector<int64_t> unit_of(params.size(), -1);
+  windows_.assign(uses.size(), {});
+  for (size_t b = 0; b < uses.size(); ++b) {
+    Unit own;
+    for (auto p : uses[b])
+      if (users[p] == 1) own.params.push_back(p);
+    if (!own.params.empty()) {
+      for (auto p : own.params) unit_of[p] = static_cast<int64_t>(units_.size());
+      units_.push_back(std::move(own));
+    }
+    for (auto p : uses[b]) {
+      if (unit_of[p] < 0) {  // shared, first seen here
+        unit_of[p] = static_cast<int64_t>(units_.size());
+        Unit shared;
+        shared.params.push_back(p);
+        units_.push_back(std::move(shared));
+      }
+      auto& w = windows_[b];
+      if (std::find(w.begin(), w.end(), unit_of[p]) == w.end()) w.push_back(unit_of[p]);
+    }
+  }
+  for (const auto& w : windows_)
+    for (auto u : w) ++units_[u].users;
+
+  // Host buffers, allocated once; parameters become views of their unit's device buffer.
+  param_slot_.assign(params.size(), {-1, 0});
+  const auto dev_options = torch::TensorOptions().dtype(torch::kFloat).device(config_.device);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = units_[u];
+    for (auto p : unit.params) {
+      STRATA_CHECK(params[p].tensor.scalar_type() == torch::kFloat,
+                   name_ << ": parameter '" << params[p].name << "' is " << params[p].tensor.scalar_type()
+                         << "; hook_offload handles float32 parameters");
+      param_slot_[p] = {static_cast<int64_t>(u), unit.numel};
+      unit.numel += params[p].tensor.numel();
+    }
+    unit.bytes = unit.numel * static_cast<int64_t>(sizeof(float));
+    unit.host_param = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+    unit.host_grad = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+    unit.device_flat = torch::empty({unit.numel}, dev_options);
+    for (auto p : unit.params) {
+      auto& t = params[p].tensor;
+      const auto offset = param_slot_[p].second;
+      unit.host_param.narrow(0, offset, t.numel()).copy_(t.detach().reshape({-1}));
+      t.set_data(unit.device_flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    }
+    compat::release_storage(unit.device_flat.storage());
+  }
+  held_.assign(windows_.size(), false);
+  permanent_.assign(windows_.size(), false);
+  anchor_ = torch::empty({0}, dev_options).requires_grad_(true);
+  model_.emplace(std::move(model));
+  for (auto b : options_.resident) {
+    if (permanent_[b]) continue;
+    permanent_[b] = true;
+    hold_window(b);
+  }
+  for (const auto& unit : units_)
+    if (unit.references > 0) permanent_bytes_ += unit.bytes;
+}
+
+void HookOffload::acquire(Unit& unit) {
+  if (unit.references++ > 0) return;
+  {
+    // Allocate on the copy stream, which writes it first; compute marks its use (keep_alive), so
+    // the caching allocator does not hand the memory out again before compute is done with it.
+    device::Stream::Guard on_h2d(h2d_);
+    compat::reallocate_storage(unit.device_flat.storage(), static_cast<size_t>(unit.bytes));
+    if (options_.debug_poison) {
+      // Queued before the copy on the same stream; only compute that skips its wait can see it.
+      torch::NoGradGuard no_grad;
+      unit.device_flat.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+  h2d_.copy(unit.device_flat, unit.host_param);
+  unit.loaded = h2d_.record();
+  bytes_h2d_ += unit.bytes;
+  resident_bytes_ += unit.bytes;
+  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
+}
+
+void HookOffload::release(Unit& unit) {
+  STRATA_CHECK(unit.references > 0, name_ << ": a unit was released more often than it was acquired");
+  if (--unit.references > 0) return;
+  // A fetch that nobody waited for may still be writing the buffer (CPU: the worker thread).
+  compute_.wait(unit.loaded);
+  compute_.keep_alive(unit.device_flat);
+  compat::release_storage(unit.device_flat.storage());
+  resident_bytes_ -= unit.bytes;
+}
+
+void HookOffload::hold_window(int64_t block) {
+  if (held_[block]) return;
+  held_[block] = true;
+  for (auto u : windows_[block]) acquire(units_[u]);
+}
+
+void HookOffload::drop_window(int64_t block) {
+  if (!held_[block] || permanent_[block]) return;
+  held_[block] = false;
+  for (auto u : windows_[block]) release(units_[u]);
+}
+
+void HookOffload::wait_for_window(int64_t block) {
+  for (auto u : windows_[block]) {
+    auto& unit = units_[u];
+    if (!options_.debug_skip_waits) compute_.wait(unit.loaded);
+    compute_.keep_alive(unit.device_flat);
+  }
+}
+
+void HookOffload::prefetch_from(int64_t block, bool backward) {
+  const auto n = static_cast<int64_t>(windows_.size());
+  for (int64_t k = 1; k <= options_.prefetch; ++k) {
+    const int64_t next = backward ? block - k : block + k;
+    if (next < 0 || next >= n) break;
+    hold_window(next);
+  }
+}
+
+void HookOffload::before_compute(int64_t block, bool backward) {
+  hold_window(block);
+  prefetch_from(block, backward);  // queued behind this block's fetch, overlapping its compute
+  wait_for_window(block);
+  compute_.compute_point();
+}
+
+void HookOffload::after_compute(int64_t block, bool backward) {
+  if (!backward && merged(block)) return;  // stays for its backward
+  drop_window(block);
+}
+
+void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
+  // grads follow the block's parameters() order; gather them per unit into one flat buffer and
+  // send each to the host as one copy, queued behind the compute that produced it.
+  const auto& params = model().parameters();
+  std::unordered_map<const void*, torch::Tensor> grad_of;
+  auto block_params = model().blocks()[block]->parameters();
+  for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
+  for (auto u : windows_[block]) {
+    auto& unit = units_[u];
+    std::vector<torch::Tensor> parts;
+    for (auto p : unit.params) {
+      auto g = grad_of.at(params[p].tensor.unsafeGetTensorImpl());
+      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({params[p].tensor.numel()}, g.options()));
+    }
+    // A fresh autograd result, read by the copy only; marked in use by the copy stream below.
+    auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
+    auto produced = compute_.record();
+    d2h_.wait(produced);
+    d2h_.keep_alive(flat);
+    bytes_d2h_ += unit.bytes;
+    if (!unit.grad_filled) {
+      d2h_.copy(unit.host_grad, flat);
+      unit.grad_filled = true;
+    } else {
+      // A second use of a tied parameter (or another micro-batch): add on the host once it lands.
+      auto staging = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+      d2h_.copy(staging, flat);
+      auto landed = d2h_.record();
+      host_.submit([landed, staging, grad = unit.host_grad] {
+        landed.synchronize();
+        grad.add_(staging);
+      });
+    }
+    if (options_.overlap_optimizer && --unit.pending_users == 0) {
+      auto landed = d2h_.record();
+      host_.submit([this, landed, &unit] {
+        landed.synchronize();
+        optimizer_update(config_.optimizer, unit.host_param, unit.host_grad, unit.optimizer);
+      });
+    }
+  }
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// One block under hook offload: fetch, compute, release in forward; fetch, recompute (or use the
+// kept graph), send gradients to the host, release in backward.
+struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
+  static torch::Tensor forward(AutogradContext* ctx, HookOffload* self, int64_t block, torch::Tensor x,
+                               torch::Tensor anchor) {
+    ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
+    ctx->saved_data["block"] = block;
+    auto& module = *self->model().blocks()[block];
+    self->before_compute(block, /*backward=*/false);
+    torch::Tensor out;
+    if (self->recompute_block(block)) {
+      ctx->save_for_backward({x});
+      out = module.forward(x);
+    } else {
+      // Keep the block's own graph; its saved views of the parameters share the unit's storage,
+      // so they see the data again once backward re-fetches it.
+      torch::AutoGradMode enable(true);
+      auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
+      auto y = module.forward(x_leaf);
+      ctx->saved_data["input"] = x_leaf;
+      ctx->saved_data["output"] = y;
+      out = y.detach();
+    }
+    self->after_compute(block, /*backward=*/false);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto* self = reinterpret_cast<HookOffload*>(ctx->saved_data["self"].toInt());
+    const auto block = ctx->saved_data["block"].toInt();
+    auto& module = *self->model().blocks()[block];
+    self->before_compute(block, /*backward=*/true);
+    torch::Tensor x_leaf, y;
+    if (self->recompute_block(block)) {
+      auto x = ctx->get_saved_variables()[0];
+      torch::AutoGradMode enable(true);
+      x_leaf = x.detach().requires_grad_(x.is_floating_point());
+      y = module.forward(x_leaf);
+    } else {
+      x_leaf = ctx->saved_data["input"].toTensor();
+      y = ctx->saved_data["output"].toTensor();
+    }
+    const bool needs_input_grad = x_leaf.requires_grad();
+    variable_list inputs;
+    if (needs_input_grad) inputs.push_back(x_leaf);
+    auto params = module.parameters();
+    for (const auto& p : params) inputs.push_back(p);
+    auto grads = torch::autograd::grad({y}, inputs, grad_out, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+    y = torch::Tensor();
+    ctx->saved_data.clear();
+    std::vector<torch::Tensor> param_grads(grads.begin() + (needs_input_grad ? 1 : 0), grads.end());
+    self->flush_gradients(block, param_grads);
+    self->after_compute(block, /*backward=*/true);
+    return {torch::Tensor(), torch::Tensor(), needs_input_grad ? grads[0] : torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+void HookOffload::finish_pending() {
+  host_.drain();
+  d2h_.synchronize();
+}
+
+double HookOffload::train_step(const models::Batch& batch) {
+  auto& m = model();
+  STRATA_CHECK(!(options_.overlap_optimizer && step_in_flight_),
+               name_ << ": overlap_optimizer=1 applies each step's gradients during backward, so every train_step "
+                        "must be followed by optimizer_step (gradient accumulation needs overlap_optimizer=0)");
+  finish_pending();
+  if (options_.overlap_optimizer) {
+    for (auto& unit : units_) unit.pending_users = unit.users;
+    step_in_flight_ = true;
+  }
+  auto x = batch.input.to(config_.device);
+  auto target = batch.target.to(config_.device);
+  bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
+  for (int64_t b = 0; b < m.num_blocks(); ++b) x = OffloadedBlock::apply(this, b, x, anchor_);
+  auto loss = m.loss(x, target);
+  x = torch::Tensor();
+  loss.backward();
+  // Whatever a failed or partial backward left held must not stay on the device.
+  for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+  anchor_.mutable_grad() = torch::Tensor();
+  return loss.item<double>();
+}
+
+torch::Tensor HookOffload::forward(const torch::Tensor& input) {
+  auto& m = model();
+  finish_pending();
+  torch::NoGradGuard no_grad;
+  bytes_h2d_ += input.nbytes();
+  auto x = input.to(config_.device);
+  for (int64_t b = 0; b < m.num_blocks(); ++b) {
+    before_compute(b, /*backward=*/false);
+    x = m.blocks()[b]->forward(x);
+    drop_window(b);
+  }
+  return x;
+}
+
+void HookOffload::optimizer_step() {
+  model();
+  finish_pending();
+  h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
+  if (!options_.overlap_optimizer) {
+    for (auto& unit : units_)
+      if (unit.grad_filled) optimizer_update(config_.optimizer, unit.host_param, unit.host_grad, unit.optimizer);
+  }
+  step_in_flight_ = false;
+  for (auto& unit : units_) unit.grad_filled = false;
+  // Resident blocks compute from their device copy: bring it up to date.
+  for (auto& unit : units_) {
+    if (unit.references == 0) continue;
+    h2d_.copy(unit.device_flat, unit.host_param);
+    unit.loaded = h2d_.record();
+    bytes_h2d_ += unit.bytes;
+  }
+}
+
+NamedTensors HookOffload::gradients() {
+  const auto& params = model().parameters();
+  finish_pending();
+  NamedTensors out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    const auto& unit = units_[u];
+    const auto& t = params[p].tensor;
+    out.emplace_back(params[p].name, unit.grad_filled ? unit.host_grad.narrow(0, offset, t.numel()).view(t.sizes()).clone()
+                                                      : torch::zeros(t.sizes()));
+  }
+  return out;
+}
+
+NamedTensors HookOffload::parameters() {
+  const auto& params = model().parameters();
+  finish_pending();
+  NamedTensors out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    const auto& t = params[p].tensor;
+    out.emplace_back(params[p].name, units_[u].host_param.narrow(0, offset, t.numel()).view(t.sizes()).clone());
+  }
+  return out;
+}
+
+int64_t HookOffload::offloaded_bytes_on_device() const { return resident_bytes_ - permanent_bytes_; }
+
+int64_t HookOffload::references_held() const {
+  int64_t n = 0;
+  for (const auto& unit : units_) n += unit.references;
+  for (size_t b = 0; b < windows_.size(); ++b)  // resident blocks hold theirs for good
+    if (permanent_[b]) n -= static_cast<int64_t>(windows_[b].size());
+  return n;
+}
+
+Stats HookOffload::stats() {
+  Stats s;
+  s.bytes_h2d = bytes_h2d_;
+  s.bytes_d2h = bytes_d2h_;
+  auto& mem = s.devices[config_.device.str()];
+  mem.resident_param_bytes = resident_bytes_;
+  mem.peak_param_bytes = peak_bytes_;
+  const auto alloc = device::allocator_stats(config_.device);
+  mem.peak_allocated = alloc.peak_allocated;
+  mem.peak_reserved = alloc.peak_reserved;
+  return s;
+}
+
+void HookOffload::reset_stats() {
+  bytes_h2d_ = bytes_d2h_ = 0;
+  peak_bytes_ = resident_bytes_;
+  device::reset_peak_stats(config_.device);
+}
+
+namespace {
+std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
+                               const std::map<std::string, std::string>& defaults) {
+  auto options = defaults;
+  for (const auto& [k, v] : c.options) options[k] = v;
+  return std::make_unique<HookOffload>(name, c, HookOffloadOptions::parse(options));
+}
+}  // namespace
+
+STRATA_REGISTER_STRATEGY("hook_offload",
+                         "parameters in pinned host memory, streamed block by block with prefetch; host optimizer",
+                         [](const StrategyConfig& c) { return make("hook_offload", c, {}); });
+STRATA_REGISTER_STRATEGY("hook_offload_overlap",
+                         "hook_offload with each unit's host optimizer update overlapped with the rest of backward",
+                         [](const StrategyConfig& c) {
+                           return make("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
+                         });
+
+}  // namespace strata

@@ -1,0 +1,88 @@
+#pragma once
+// Hook offload (seed 003, done right): parameters and gradients live in pinned host buffers
+// allocated once; each block's parameters are streamed to the device on a side stream just before
+// use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
+// and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
+// as a block's backward is done; the optimizer runs on the host. A tied parameter is one host copy,
+// loaded once per use window by reference count, and receives the sum of its uses' gradients.
+//
+// LibTorch modules have no hooks, so each block runs inside a custom autograd function that owns
+// load, compute, recompute and release.
+#include <optional>
+
+#include "strategies/device/device.h"
+#include "strategies/strategy.h"
+
+namespace strata {
+
+struct HookOffloadOptions {
+  int64_t prefetch = 1;                ///< blocks fetched ahead; 0 fetches each block when it is needed
+  bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
+  bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
+  std::vector<int64_t> resident;       ///< blocks kept on the device for good
+  bool overlap_optimizer = false;      ///< update each unit on the host as soon as its gradients land
+  bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
+  bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
+
+  static HookOffloadOptions parse(const std::map<std::string, std::string>& options);
+  void validate() const;
+  /// Checks the options against a model of `num_blocks` blocks.
+  void validate_for(int64_t num_blocks) const;
+};
+
+class HookOffload : public Strategy {
+ public:
+  HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options);
+  ~HookOffload() override;
+
+  std::string name() const override { return name_; }
+  void attach(models::BlockModel model) override;
+  double train_step(const models::Batch& batch) override;
+  torch::Tensor forward(const torch::Tensor& input) override;
+  void optimizer_step() override;
+  NamedTensors gradients() override;
+  NamedTensors parameters() override;
+  Stats stats() override;
+  void reset_stats() override;
+
+  /// Offloaded parameter bytes on the device now (resident blocks not counted).
+  int64_t offloaded_bytes_on_device() const;
+  /// Total reference count over all units (0 when nothing is held, resident blocks aside).
+  int64_t references_held() const;
+
+  // Called by the per-block autograd function.
+  void before_compute(int64_t block, bool backward);
+  void after_compute(int64_t block, bool backward);
+  void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads);
+  models::BlockModel& model();
+  device::Stream& compute_stream() { return compute_; }
+  bool recompute_block(int64_t block) const;
+
+ private:
+  struct Unit;
+  void acquire(Unit& unit);
+  void release(Unit& unit);
+  void hold_window(int64_t block);
+  void drop_window(int64_t block);
+  void wait_for_window(int64_t block);
+  void prefetch_from(int64_t block, bool backward);
+  void finish_pending();
+  bool merged(int64_t block) const;
+
+  std::string name_;
+  StrategyConfig config_;
+  HookOffloadOptions options_;
+  std::optional<models::BlockModel> model_;
+  std::vector<Unit> units_;
+  std::vector<std::vector<int64_t>> windows_;  ///< block -> units it uses
+  std::vector<bool> held_;                     ///< block -> its window holds references now
+  std::vector<bool> permanent_;                ///< block -> resident for good
+  std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
+  torch::Tensor anchor_;  ///< requires grad, so every block's output does (even from token ids)
+  device::Stream compute_, h2d_, d2h_;
+  device::HostQueue host_;
+  bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
+  int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
+};
+
+}  // namespace strata
