@@ -3,7 +3,11 @@
 // loss parity, step time, and memory per strategy.
 //
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
-//                  [--strategies=a,b] [--optimizer=sgd|adamw]
+//                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
+//
+// Training: median over the timed steps of forward+backward (train_step) and of the optimizer
+// step, each timed to the device's completion. --inference times forward() only and reports the
+// host-to-device bandwidth it achieved (bytes moved / time).
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -24,6 +28,8 @@ struct Args {
   int64_t batch = 0;
   std::vector<std::string> strategies;
   std::string optimizer = "adamw";
+  bool inference = false;
+  bool tf32 = true;
 };
 
 Args parse_args(int argc, char** argv) {
@@ -39,6 +45,8 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("steps")) a.steps = std::atoi(v);
     else if (const char* v = value("batch")) a.batch = std::atoll(v);
     else if (const char* v = value("optimizer")) a.optimizer = v;
+    else if (arg == "--inference") a.inference = true;
+    else if (arg == "--no-tf32") a.tf32 = false;
     else if (const char* v = value("strategies")) {
       std::stringstream in(v);
       std::string s;
@@ -46,7 +54,7 @@ Args parse_args(int argc, char** argv) {
     } else {
       STRATA_CHECK(false, "unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
-                                 "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw]");
+                                 "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]");
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
@@ -64,17 +72,32 @@ int run(int argc, char** argv) {
   if (args.strategies.empty()) args.strategies = Registry::names();
   for (const auto& s : args.strategies) Registry::description(s);  // unknown names fail before any work
 
-  at::globalContext().setAllowTF32CuBLAS(true);  // timing runs as users train: TF32 on
+  at::globalContext().setAllowTF32CuBLAS(args.tf32);  // timing runs as users train: TF32 on by default
+  at::globalContext().setAllowTF32CuDNN(args.tf32);
   StrategyConfig config;
   config.device = dev;
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
 
-  std::printf("strata comparison: model %s (%s), batch %ld, %d timed steps, %s, device %s\n", preset.name.c_str(),
-              preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
-              config.optimizer.to_string().c_str(), dev.str().c_str());
-  std::printf("%-22s %-8s %12s %12s %12s %12s %12s\n", "strategy", "parity", "step ms", "items/s", "peak alloc MiB",
-              "h2d MiB/step", "d2h MiB/step");
+  std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s\n",
+              preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
+              args.inference ? "forward passes" : "steps", config.optimizer.to_string().c_str(), dev.str().c_str(),
+              args.tf32 ? "on" : "off");
+  if (args.inference)
+    std::printf("%-22s %-6s %10s %12s %10s %10s %10s\n", "strategy", "parity", "fwd ms", "items/s", "peak GiB",
+                "H2D GB", "H2D GB/s");
+  else
+    std::printf("%-22s %-6s %10s %10s %10s %12s %10s %10s %9s %9s\n", "strategy", "parity", "fwd+bwd ms", "optim ms",
+                "step ms", "items/s", "peak GiB", "resv GiB", "H2D GB", "D2H GB");
+  std::fflush(stdout);
+
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto ms_since = [&](auto start) { return std::chrono::duration<double, std::milli>(now() - start).count(); };
+  const double gb = 1e9, gib = 1024.0 * 1024.0 * 1024.0;
 
   for (const auto& name : args.strategies) {
     // Parity first, on a small model: a strategy that is wrong is not timed.
@@ -83,9 +106,11 @@ int run(int argc, char** argv) {
                                  : preset.config.kind == models::ModelKind::bert ? "bert-tiny"
                                                                                  : "mlp-tiny")
                       .config;
+    at::globalContext().setAllowTF32CuBLAS(false);
     const auto parity = correctness::check_parity(name, small, dev);
+    at::globalContext().setAllowTF32CuBLAS(args.tf32);
     if (!parity.ok) {
-      std::printf("%-22s %-8s %s\n", name.c_str(), "FAIL", parity.message.c_str());
+      std::printf("%-22s %-6s %s\n", name.c_str(), "FAIL", parity.message.c_str());
       continue;
     }
     std::fflush(stdout);
@@ -95,30 +120,58 @@ int run(int argc, char** argv) {
       const auto items = model.items_per_batch(batch_size);
       strategy->attach(std::move(model));
       auto batch = models::make_batch(preset.config, batch_size, 1);
-      strategy->train_step(batch);  // warm-up
-      strategy->optimizer_step();
-      device::synchronize(dev);
-      strategy->reset_stats();
-      std::vector<double> times;
-      for (int i = 0; i < args.steps; ++i) {
-        const auto start = std::chrono::steady_clock::now();
-        strategy->train_step(batch);
-        strategy->optimizer_step();
+      if (args.inference) {
+        strategy->forward(batch.input);  // warm-up
         device::synchronize(dev);
-        times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+        strategy->reset_stats();
+        std::vector<double> times;
+        for (int i = 0; i < args.steps; ++i) {
+          const auto start = now();
+          strategy->forward(batch.input);
+          device::synchronize(dev);
+          times.push_back(ms_since(start));
+        }
+        const double t = median(times);
+        const auto s = strategy->stats();
+        int64_t peak = 0;
+        for (const auto& [d, m] : s.devices) peak = std::max(peak, m.peak_allocated);
+        const double h2d = static_cast<double>(s.bytes_h2d) / args.steps;
+        std::printf("%-22s %-6s %10.2f %12.0f %10.2f %10.3f %10.1f\n", name.c_str(), "ok", t,
+                    static_cast<double>(items) / (t / 1e3), peak / gib, h2d / gb, h2d / gb / (t / 1e3));
+      } else {
+        for (int i = 0; i < 2; ++i) {  // warm-up: allocator caches, pinned buffers, cuBLAS handles
+          strategy->train_step(batch);
+          strategy->optimizer_step();
+        }
+        device::synchronize(dev);
+        strategy->reset_stats();
+        std::vector<double> fb, opt, step;
+        for (int i = 0; i < args.steps; ++i) {
+          const auto start = now();
+          strategy->train_step(batch);
+          device::synchronize(dev);
+          fb.push_back(ms_since(start));
+          const auto mid = now();
+          strategy->optimizer_step();
+          device::synchronize(dev);
+          opt.push_back(ms_since(mid));
+          step.push_back(ms_since(start));
+        }
+        const auto s = strategy->stats();
+        int64_t peak = 0, reserved = 0;
+        for (const auto& [d, m] : s.devices) {
+          peak = std::max(peak, m.peak_allocated);
+          reserved = std::max(reserved, m.peak_reserved);
+        }
+        const double t = median(step);
+        std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", name.c_str(), "ok",
+                    median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peak / gib, reserved / gib,
+                    static_cast<double>(s.bytes_h2d) / args.steps / gb, static_cast<double>(s.bytes_d2h) / args.steps / gb);
       }
-      std::sort(times.begin(), times.end());
-      const double median = times[times.size() / 2];
-      const auto s = strategy->stats();
-      int64_t peak = 0;
-      for (const auto& [d, m] : s.devices) peak = std::max(peak, m.peak_allocated);
-      std::printf("%-22s %-8s %12.2f %12.0f %14.1f %12.1f %12.1f\n", name.c_str(), "ok", median,
-                  static_cast<double>(items) / (median / 1e3), mib(peak), mib(s.bytes_h2d) / args.steps,
-                  mib(s.bytes_d2h) / args.steps);
     } catch (const c10::Error& e) {
       const std::string what = e.what();
       const bool oom = what.find("out of memory") != std::string::npos;
-      std::printf("%-22s %-8s %s\n", name.c_str(), "ok", oom ? "out of memory" : what.substr(0, 200).c_str());
+      std::printf("%-22s %-6s %s\n", name.c_str(), "ok", oom ? "out of memory" : what.substr(0, 300).c_str());
     }
     std::fflush(stdout);
   }

@@ -59,6 +59,7 @@ const std::map<std::string, OptionsGenerator>& option_generators() {
   static const std::map<std::string, OptionsGenerator> all = {
       {"hook_offload", hook_offload_options},
       {"hook_offload_overlap", hook_offload_options},
+      {"hook_offload_sync", hook_offload_options},
   };
   return all;
 }

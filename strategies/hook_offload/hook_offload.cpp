@@ -465,6 +465,9 @@ std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
 STRATA_REGISTER_STRATEGY("hook_offload",
                          "parameters in pinned host memory, streamed block by block with prefetch; host optimizer",
                          [](const StrategyConfig& c) { return make("hook_offload", c, {}); });
+STRATA_REGISTER_STRATEGY("hook_offload_sync",
+                         "hook_offload without prefetch: each block fetched when needed, as seed 003 does",
+                         [](const StrategyConfig& c) { return make("hook_offload_sync", c, {{"prefetch", "0"}}); });
 STRATA_REGISTER_STRATEGY("hook_offload_overlap",
                          "hook_offload with each unit's host optimizer update overlapped with the rest of backward",
                          [](const StrategyConfig& c) {
