@@ -16,14 +16,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$outdir/gpu.txt" || true
 
 t0=$(date +%s)
-cmake --preset cuda 2>&1 | tee "$outdir/configure.log" | tail -n 3
-cmake --build --preset cuda -j "$(nproc)" 2>&1 | tee "$outdir/build.log" | grep -E "error|warning: |FAILED" || true
+cmake --preset cuda 2>&1 | tee "$outdir/build.log" | tail -n 3
+cmake --build --preset cuda -j "$(nproc)" 2>&1 | tee -a "$outdir/build.log" | grep -E "error|warning: |FAILED" || true
 [ -x build/cuda/correctness/strata_tests ] || { echo "ci/gpu.sh: build failed, see $outdir/build.log"; exit 1; }
 t1=$(date +%s)
 echo "ci/gpu.sh: configure + build took $((t1 - t0)) s"
 
 status=0
-ctest --preset cuda -j 8 --output-junit "$outdir/ctest.xml" > "$outdir/ctest.log" 2>&1 || status=$?
+ctest --preset cuda -j 8 > "$outdir/ctest.log" 2>&1 || status=$?
 tail -n 25 "$outdir/ctest.log"
 for label in cpu cuda multigpu; do
   ran=$(grep -c "Test *#[0-9]*: $label\." "$outdir/ctest.log" || true)

@@ -44,9 +44,12 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
       const auto config = gpt(3, 16);
       s->attach(models::build_model(config, 0));
       const auto dev = test::device();
+      const auto batch = models::make_batch(config, 2, 1);
+      // One step first: the math libraries keep workspaces (cuBLAS: tens of MiB) for good.
+      s->train_step(batch);
+      s->optimizer_step();
       device::synchronize(dev);
       const auto allocated_at_rest = device::allocator_stats(dev).allocated;
-      const auto batch = models::make_batch(config, 2, 1);
       const std::string where = std::string(activations) + " prefetch=" + std::to_string(prefetch);
 
       s->forward(batch.input);
@@ -146,7 +149,10 @@ TEST(HookOffload, peak_device_memory_stays_under_the_analytic_bound) {
   auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
   s->attach(std::move(model));
   const auto batch = models::make_batch(c, 2, 1);
+  s->train_step(batch);  // warm-up: library workspaces are allocated once and kept
+  s->optimizer_step();
   device::synchronize(dev);
+  const auto at_rest = device::allocator_stats(dev).allocated;
   s->reset_stats();
   s->train_step(batch);
   s->optimizer_step();
@@ -156,8 +162,8 @@ TEST(HookOffload, peak_device_memory_stays_under_the_analytic_bound) {
   if (dev.is_cuda()) {
     const int64_t activations = 64 * 1024;  // 2 x 256 floats per block and their gradients: tiny
     const int64_t allocator_rounding = 2 * 1024 * 1024;
-    EXPECT_LE(mem.peak_allocated, (prefetch + 3) * max_window + activations + allocator_rounding);
-    EXPECT_LT(mem.peak_allocated, total) << "offload must hold less than the whole model";
+    EXPECT_LE(mem.peak_allocated - at_rest, (prefetch + 3) * max_window + activations + allocator_rounding);
+    EXPECT_LT(mem.peak_allocated - at_rest, total) << "offload must hold less than the whole model";
   }
 }
 

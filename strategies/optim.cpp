@@ -1,5 +1,7 @@
 #include "strategies/optim.h"
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <sstream>
 
@@ -31,10 +33,72 @@ std::string OptimizerConfig::to_string() const {
   return out.str();
 }
 
+namespace {
+
+bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {
+  return param.device().is_cpu() && grad.device().is_cpu() && param.scalar_type() == torch::kFloat &&
+         grad.scalar_type() == torch::kFloat && param.is_contiguous() && grad.is_contiguous() &&
+         param.numel() == grad.numel();
+}
+
+// Host updates in one pass over memory, split over threads: a chain of tensor operations reads
+// and writes every buffer once per operation (about twice the traffic), and host memory bandwidth
+// is what bounds a host optimizer. Same formulas as the tensor chain below, in float.
+void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
+                       OptimizerState& state) {
+  const int64_t n = param.numel();
+  float* p = param.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  if (c.kind == OptimizerKind::sgd) {
+    const bool first = !state.exp_avg.defined();
+    if (first) state.exp_avg = torch::empty_like(grad);
+    float* buf = state.exp_avg.data_ptr<float>();
+    const float momentum = static_cast<float>(c.momentum), lr = static_cast<float>(c.lr);
+    at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float b = first ? g[i] : buf[i] * momentum + g[i];
+        buf[i] = b;
+        p[i] -= lr * b;
+      }
+    });
+    return;
+  }
+  if (!state.exp_avg.defined()) {
+    state.exp_avg = torch::zeros_like(grad);
+    state.exp_avg_sq = torch::zeros_like(grad);
+  }
+  float* m = state.exp_avg.data_ptr<float>();
+  float* v = state.exp_avg_sq.data_ptr<float>();
+  const double t = static_cast<double>(state.step);
+  const float decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+  const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
+  const float one_minus_b1 = static_cast<float>(1.0 - c.beta1), one_minus_b2 = static_cast<float>(1.0 - c.beta2);
+  const float bias2 = static_cast<float>(1.0 - std::pow(c.beta2, t));
+  const float step_size = static_cast<float>(c.lr / (1.0 - std::pow(c.beta1, t)));
+  const float eps = static_cast<float>(c.eps);
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i];
+      const float mi = m[i] * b1 + gi * one_minus_b1;
+      const float vi = v[i] * b2 + gi * gi * one_minus_b2;
+      m[i] = mi;
+      v[i] = vi;
+      const float denom = std::sqrt(vi / bias2) + eps;
+      p[i] = p[i] * decay - step_size * mi / denom;
+    }
+  });
+}
+
+}  // namespace
+
 void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
                       OptimizerState& state) {
   torch::NoGradGuard no_grad;
   ++state.step;
+  if (fusable(param, grad)) {
+    fused_host_update(c, param, grad, state);
+    return;
+  }
   if (c.kind == OptimizerKind::sgd) {
     if (!state.exp_avg.defined())
       state.exp_avg = grad.clone();

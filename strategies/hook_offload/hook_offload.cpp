@@ -1,5 +1,7 @@
 #include "strategies/hook_offload/hook_offload.h"
 
+#include <torch/csrc/autograd/engine.h>
+
 #include <unordered_map>
 
 #include "models/check.h"
@@ -146,6 +148,7 @@ void HookOffload::attach(models::BlockModel model) {
     compat::release_storage(unit.device_flat.storage());
   }
   held_.assign(windows_.size(), false);
+  kept_.assign(windows_.size(), {});
   permanent_.assign(windows_.size(), false);
   anchor_ = torch::empty({0}, dev_options).requires_grad_(true);
   model_.emplace(std::move(model));
@@ -190,6 +193,14 @@ void HookOffload::release(Unit& unit) {
 
 void HookOffload::hold_window(int64_t block) {
   if (held_[block]) return;
+  // Rate limit: the host queues work far ahead of the device. Memory released by a window is only
+  // reusable once the compute that read it has run, so before fetching another window wait until
+  // at most one released window is still pending on the device; otherwise the caching allocator
+  // sees nothing it may reuse and reserves fresh memory for every fetch.
+  while (releases_.size() > 1) {
+    releases_.front().synchronize();
+    releases_.pop_front();
+  }
   held_[block] = true;
   for (auto u : windows_[block]) acquire(units_[u]);
 }
@@ -198,6 +209,7 @@ void HookOffload::drop_window(int64_t block) {
   if (!held_[block] || permanent_[block]) return;
   held_[block] = false;
   for (auto u : windows_[block]) release(units_[u]);
+  releases_.push_back(compute_.record());
 }
 
 void HookOffload::wait_for_window(int64_t block) {
@@ -296,8 +308,7 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
       torch::AutoGradMode enable(true);
       auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
       auto y = module.forward(x_leaf);
-      ctx->saved_data["input"] = x_leaf;
-      ctx->saved_data["output"] = y;
+      self->kept_graphs()[block] = {torch::autograd::impl::gradient_edge(y), x_leaf};
       out = y.detach();
     }
     self->after_compute(block, /*backward=*/false);
@@ -309,25 +320,30 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
     const auto block = ctx->saved_data["block"].toInt();
     auto& module = *self->model().blocks()[block];
     self->before_compute(block, /*backward=*/true);
-    torch::Tensor x_leaf, y;
+    torch::Tensor x_leaf;
+    torch::autograd::Edge output;
     if (self->recompute_block(block)) {
       auto x = ctx->get_saved_variables()[0];
       torch::AutoGradMode enable(true);
       x_leaf = x.detach().requires_grad_(x.is_floating_point());
-      y = module.forward(x_leaf);
+      output = torch::autograd::impl::gradient_edge(module.forward(x_leaf));
     } else {
-      x_leaf = ctx->saved_data["input"].toTensor();
-      y = ctx->saved_data["output"].toTensor();
+      auto& kept = self->kept_graphs()[block];
+      x_leaf = std::move(kept.input);
+      output = std::move(kept.output);
+      kept = {};
     }
+    // Gradients of the block's input and parameters, returned rather than accumulated into .grad
+    // (what autograd::grad does, from an edge instead of the output tensor).
     const bool needs_input_grad = x_leaf.requires_grad();
-    variable_list inputs;
-    if (needs_input_grad) inputs.push_back(x_leaf);
-    auto params = module.parameters();
-    for (const auto& p : params) inputs.push_back(p);
-    auto grads = torch::autograd::grad({y}, inputs, grad_out, /*retain_graph=*/false, /*create_graph=*/false,
-                                       /*allow_unused=*/true);
-    y = torch::Tensor();
-    ctx->saved_data.clear();
+    torch::autograd::edge_list wanted;
+    if (needs_input_grad) wanted.push_back(torch::autograd::impl::gradient_edge(x_leaf));
+    for (const auto& p : module.parameters()) wanted.push_back(torch::autograd::impl::gradient_edge(p));
+    auto grads = wanted.empty() ? torch::autograd::variable_list{}
+                                : torch::autograd::Engine::get_default_engine().execute(
+                                      {output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false,
+                                      /*accumulate_grad=*/false, wanted);
+    output = {};
     std::vector<torch::Tensor> param_grads(grads.begin() + (needs_input_grad ? 1 : 0), grads.end());
     self->flush_gradients(block, param_grads);
     self->after_compute(block, /*backward=*/true);
@@ -361,6 +377,7 @@ double HookOffload::train_step(const models::Batch& batch) {
   loss.backward();
   // Whatever a failed or partial backward left held must not stay on the device.
   for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+  for (auto& kept : kept_) kept = {};
   anchor_.mutable_grad() = torch::Tensor();
   return loss.item<double>();
 }

@@ -8,6 +8,7 @@
 //
 // LibTorch modules have no hooks, so each block runs inside a custom autograd function that owns
 // load, compute, recompute and release.
+#include <deque>
 #include <optional>
 
 #include "strategies/device/device.h"
@@ -57,6 +58,13 @@ class HookOffload : public Strategy {
   models::BlockModel& model();
   device::Stream& compute_stream() { return compute_; }
   bool recompute_block(int64_t block) const;
+  /// Kept-activation mode: the block's own graph, kept from forward to backward without its output
+  /// tensor (holding the output would keep e.g. the logits alive through the loss).
+  struct KeptGraph {
+    torch::autograd::Edge output;
+    torch::Tensor input;  ///< the detached input leaf
+  };
+  std::vector<KeptGraph>& kept_graphs() { return kept_; }
 
  private:
   struct Unit;
@@ -78,6 +86,8 @@ class HookOffload : public Strategy {
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
+  std::vector<KeptGraph> kept_;                           ///< block -> its kept graph (keep mode)
+  std::deque<device::Event> releases_;  ///< compute events after windows were dropped, oldest first
   torch::Tensor anchor_;  ///< requires grad, so every block's output does (even from token ids)
   device::Stream compute_, h2d_, d2h_;
   device::HostQueue host_;
