@@ -4,6 +4,7 @@
 //
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
 //                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
+//                  [--classes=N] [--options='key=value;key=value']
 //
 // Training: median over the timed steps of forward+backward (train_step) and of the optimizer
 // step, each timed to the device's completion. --inference times forward() only and reports the
@@ -30,6 +31,8 @@ struct Args {
   std::string optimizer = "adamw";
   bool inference = false;
   bool tf32 = true;
+  int64_t classes = 0;                        ///< overrides the preset's class count
+  std::map<std::string, std::string> options; ///< given to every strategy timed
 };
 
 Args parse_args(int argc, char** argv) {
@@ -46,6 +49,16 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("batch")) a.batch = std::atoll(v);
     else if (const char* v = value("optimizer")) a.optimizer = v;
     else if (arg == "--inference") a.inference = true;
+    else if (const char* v = value("classes")) a.classes = std::atoll(v);
+    else if (const char* v = value("options")) {
+      std::stringstream in(v);
+      std::string kv;
+      while (std::getline(in, kv, ';')) {
+        const auto eq = kv.find('=');
+        STRATA_CHECK(eq != std::string::npos, "--options: '" << kv << "' is not key=value");
+        a.options[kv.substr(0, eq)] = kv.substr(eq + 1);
+      }
+    }
     else if (arg == "--no-tf32") a.tf32 = false;
     else if (const char* v = value("strategies")) {
       std::stringstream in(v);
@@ -54,20 +67,23 @@ Args parse_args(int argc, char** argv) {
     } else {
       STRATA_CHECK(false, "unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
-                                 "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]");
+                                 "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32] "
+                                 "[--classes=N] [--options='k=v;k=v']");
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
   return a;
 }
 
-double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
-
 int run(int argc, char** argv) {
   auto args = parse_args(argc, argv);
   const auto dev = device::parse(args.device);
   if (args.model.empty()) args.model = dev.is_cuda() ? "gpt-medium" : "gpt-tiny";
-  const auto& preset = models::preset(args.model);
+  auto preset = models::preset(args.model);
+  if (args.classes > 0) {
+    preset.config.classes = args.classes;
+    preset.config.validate();
+  }
   const int64_t batch_size = args.batch > 0 ? args.batch : preset.batch_size;
   if (args.strategies.empty()) args.strategies = Registry::names();
   for (const auto& s : args.strategies) Registry::description(s);  // unknown names fail before any work
@@ -78,6 +94,7 @@ int run(int argc, char** argv) {
   config.device = dev;
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
+  config.options = args.options;
 
   std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s\n",
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
@@ -107,6 +124,7 @@ int run(int argc, char** argv) {
                                                                                  : "mlp-tiny")
                       .config;
     at::globalContext().setAllowTF32CuBLAS(false);
+    small.options = args.options;
     const auto parity = correctness::check_parity(name, small, dev);
     at::globalContext().setAllowTF32CuBLAS(args.tf32);
     if (!parity.ok) {
@@ -115,6 +133,8 @@ int run(int argc, char** argv) {
     }
     std::fflush(stdout);
     try {
+      // Memory the previous strategy left cached would count as this one's reserved bytes.
+      device::release_cached_memory(dev);
       auto strategy = Registry::create(name, config);
       auto model = models::build_model(preset.config, 0);
       const auto items = model.items_per_batch(batch_size);

@@ -38,15 +38,21 @@ class BertPooler : public Block {
   torch::nn::Linear dense_{nullptr};
 };
 
-class Classifier : public Block {
+// Raw parameters rather than nn::Linear: its constructor would draw millions of classes' weights
+// once more, single-threaded, before build_model initialises them anyway.
+class Classifier : public Block, public LinearHead {
  public:
   Classifier(int64_t width, int64_t classes) {
-    linear_ = register_module("linear", torch::nn::Linear(width, classes));
+    weight_ = register_parameter("weight", torch::empty({classes, width}));
+    bias_ = register_parameter("bias", torch::empty({classes}));
   }
-  torch::Tensor forward(const torch::Tensor& x) override { return linear_->forward(x); }
+  torch::Tensor forward(const torch::Tensor& x) override { return torch::nn::functional::linear(x, weight_, bias_); }
+  torch::Tensor features(const torch::Tensor& x) override { return x; }
+  torch::Tensor weight() const override { return weight_; }
+  torch::Tensor bias() const override { return bias_; }
 
  private:
-  torch::nn::Linear linear_{nullptr};
+  torch::Tensor weight_, bias_;
 };
 
 }  // namespace

@@ -32,7 +32,7 @@ class GptEmbedding : public Block {
   torch::Tensor tokens_;
 };
 
-class GptHead : public Block {
+class GptHead : public Block, public LinearHead {
  public:
   // `weight` is the token embedding when tied; a fresh [vocab, width] tensor otherwise.
   GptHead(int64_t width, torch::Tensor weight) {
@@ -43,6 +43,9 @@ class GptHead : public Block {
   torch::Tensor forward(const torch::Tensor& x) override {
     return torch::matmul(norm_->forward(x), weight_.t());
   }
+  torch::Tensor features(const torch::Tensor& x) override { return norm_->forward(x); }
+  torch::Tensor weight() const override { return weight_; }
+  torch::Tensor bias() const override { return {}; }
 
  private:
   torch::nn::LayerNorm norm_{nullptr};

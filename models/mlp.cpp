@@ -15,7 +15,7 @@ class Dense : public Block {
   torch::nn::Linear linear_{nullptr};
 };
 
-class Output : public Block {
+class Output : public Block, public LinearHead {
  public:
   // Untied: `weight` is [classes, width]. Tied: it is the input layer's [width, in_features]
   // weight, used transposed.
@@ -26,6 +26,10 @@ class Output : public Block {
   torch::Tensor forward(const torch::Tensor& x) override {
     return tied_ ? torch::matmul(x, weight_) + bias_ : torch::nn::functional::linear(x, weight_, bias_);
   }
+  torch::Tensor features(const torch::Tensor& x) override { return x; }
+  // Tied, the stored weight is the input layer's [width, in_features]; as a head it is its transpose.
+  torch::Tensor weight() const override { return tied_ ? weight_.t() : weight_; }
+  torch::Tensor bias() const override { return bias_; }
 
  private:
   bool tied_;

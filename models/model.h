@@ -41,6 +41,16 @@ class Block : public torch::nn::Module {
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
 };
 
+/// A last block whose output is a linear map of features: logits = features(x) weight^T + bias,
+/// with weight [classes, features]. Strategies may split such a head by output columns.
+class LinearHead {
+ public:
+  virtual ~LinearHead() = default;
+  virtual torch::Tensor features(const torch::Tensor& x) = 0;
+  virtual torch::Tensor weight() const = 0;  ///< [classes, features]
+  virtual torch::Tensor bias() const = 0;    ///< [classes], or undefined
+};
+
 /// A parameter under its canonical name: the first name it gets walking blocks in order.
 struct NamedParameter {
   std::string name;

@@ -1,8 +1,8 @@
 #include "strategies/optim.h"
 
-#include <ATen/Parallel.h>
-
+#include <algorithm>
 #include <cmath>
+#include <thread>
 #include <sstream>
 
 #include "models/check.h"
@@ -35,6 +35,26 @@ std::string OptimizerConfig::to_string() const {
 
 namespace {
 
+// Runs fn(begin, end) over [0, n) split across the machine's cores. std::thread rather than
+// at::parallel_for: the latter is an OpenMP pragma in a header, and serial in any translation unit
+// not compiled with -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
+template <typename F>
+void parallel_chunks(int64_t n, F fn) {
+  constexpr int64_t kMinChunk = 1 << 18;
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n / kMinChunk));
+  if (threads == 1) {
+    fn(0, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (n + threads - 1) / threads;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] { fn(t * chunk, std::min(n, (t + 1) * chunk)); });
+  fn(0, std::min(n, chunk));
+  for (auto& th : pool) th.join();
+}
+
 bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {
   return param.device().is_cpu() && grad.device().is_cpu() && param.scalar_type() == torch::kFloat &&
          grad.scalar_type() == torch::kFloat && param.is_contiguous() && grad.is_contiguous() &&
@@ -54,7 +74,7 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
     if (first) state.exp_avg = torch::empty_like(grad);
     float* buf = state.exp_avg.data_ptr<float>();
     const float momentum = static_cast<float>(c.momentum), lr = static_cast<float>(c.lr);
-    at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    parallel_chunks(n, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const float b = first ? g[i] : buf[i] * momentum + g[i];
         buf[i] = b;
@@ -76,7 +96,7 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
   const float bias2 = static_cast<float>(1.0 - std::pow(c.beta2, t));
   const float step_size = static_cast<float>(c.lr / (1.0 - std::pow(c.beta1, t)));
   const float eps = static_cast<float>(c.eps);
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i];
       const float mi = m[i] * b1 + gi * one_minus_b1;

@@ -67,6 +67,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     config.device = device;
     config.optimizer.kind = kind;
     config.optimizer.lr = kind == OptimizerKind::sgd ? 0.05 : 1e-3;
+    config.optimizer.eps = kParityAdamwEps;
     StrategyConfig base_config = config;
     config.options = c.options;
     for (const auto& d : c.devices) config.devices.push_back(torch::Device(d));

@@ -19,8 +19,15 @@ const torch::Device& device() { return g_device; }
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   std::string requested = "cpu";
+  int min_gpus = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--device=", 9) == 0) requested = argv[i] + 9;
+    if (std::strncmp(argv[i], "--min-gpus=", 11) == 0) min_gpus = std::atoi(argv[i] + 11);
+  }
+  if (strata::device::cuda_device_count() < min_gpus) {
+    std::cout << "SKIPPED: needs " << min_gpus << " CUDA devices, this machine has "
+              << strata::device::cuda_device_count() << std::endl;
+    return 77;
   }
   if (requested.rfind("cuda", 0) == 0 && !strata::device::cuda_available()) {
     std::cout << "SKIPPED: --device=" << requested << " but this machine has no CUDA device"

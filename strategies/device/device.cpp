@@ -52,6 +52,10 @@ void reset_peak_stats(const torch::Device& device) {
   if (device.is_cuda()) detail::cuda_reset_peak_stats(device);
 }
 
+void release_cached_memory(const torch::Device& device) {
+  if (device.is_cuda()) detail::cuda_release_cached_memory(device);
+}
+
 namespace {
 std::mutex delays_mutex;
 Delays current_delays;
@@ -280,6 +284,7 @@ std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& d) {
 std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& d) { return cuda_compute_stream(d); }
 AllocatorStats cuda_allocator_stats(const torch::Device&) { return {}; }
 void cuda_reset_peak_stats(const torch::Device&) {}
+void cuda_release_cached_memory(const torch::Device&) {}
 void cuda_synchronize(const torch::Device&) {}
 }  // namespace detail
 #endif

@@ -32,6 +32,9 @@ struct AllocatorStats {
 };
 AllocatorStats allocator_stats(const torch::Device& device);
 void reset_peak_stats(const torch::Device& device);
+/// Returns cached, unused device memory to the driver, so the next measurement of reserved bytes
+/// starts from what is really in use (no-op on CPU).
+void release_cached_memory(const torch::Device& device);
 
 /// Delays injected into every queued copy and at every compute point a strategy marks, to expose
 /// missing waits (asynchrony tests). Zero by default.
@@ -160,6 +163,7 @@ std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device);
 std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device);
 AllocatorStats cuda_allocator_stats(const torch::Device& device);
 void cuda_reset_peak_stats(const torch::Device& device);
+void cuda_release_cached_memory(const torch::Device& device);
 void cuda_synchronize(const torch::Device& device);
 }  // namespace detail
 

@@ -92,6 +92,12 @@ void cuda_reset_peak_stats(const torch::Device& device) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 }
 
+void cuda_release_cached_memory(const torch::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::device_synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
 void cuda_synchronize(const torch::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();

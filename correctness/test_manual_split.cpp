@@ -1,0 +1,229 @@
+// manual_split beyond parity: validation messages, the balancer, placement and replicas, the tied
+// replica's sync (and the drift without it), the column-split classifier, bytes across stages.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+
+#include "correctness/support/generators.h"
+#include "correctness/support/parity.h"
+#include "correctness/support/test_device.h"
+#include "models/check.h"
+#include "strategies/device/device.h"
+#include "strategies/manual_split/manual_split.h"
+
+namespace strata {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<ManualSplit> make_split(const std::map<std::string, std::string>& options) {
+  StrategyConfig c;
+  c.device = test::device();
+  return std::make_unique<ManualSplit>("manual_split", c, ManualSplitOptions::parse(options));
+}
+
+std::string devices(int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) out += (i ? "," : "") + test::device().str();
+  return out;
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(ManualSplit, validation_names_the_bad_value) {
+  const auto gpt = models::preset("gpt-tiny").config;  // 4 blocks
+  auto attach = [&](const std::map<std::string, std::string>& o, const models::ModelConfig& m) {
+    make_split(o)->attach(models::build_model(m, 0));
+  };
+  EXPECT_THAT(error_of([&] { attach({{"balance", "3,2"}}, gpt); }), HasSubstr("balance {3,2} sums to 5 but the model has 4 blocks"));
+  EXPECT_THAT(error_of([&] { attach({{"balance", "2,0,2"}}, gpt); }), HasSubstr("balance {2,0,2} has an empty stage (stage 1"));
+  EXPECT_THAT(error_of([&] { attach({{"balance", "2,2"}, {"devices", devices(3)}}, gpt); }),
+              HasSubstr("balance {2,2} has 2 stages but 3 devices were given"));
+  EXPECT_THAT(error_of([&] { attach({{"devices", "cpu,cuda:9"}}, gpt); }), HasSubstr("'cuda:9'"));
+  EXPECT_THAT(error_of([&] { attach({{"devices", "tpu:0"}}, gpt); }), HasSubstr("device 'tpu:0' is not valid"));
+  EXPECT_THAT(error_of([&] { attach({{"stages", "5"}}, gpt); }), HasSubstr("5 stages for a model of 4 blocks"));
+  EXPECT_THAT(error_of([&] { attach({{"weigh", "flops"}}, gpt); }), HasSubstr("weigh='flops'"));
+  EXPECT_THAT(error_of([&] { attach({{"classifier_shards", "2"}}, gpt); }), HasSubstr("tied to another block"));
+  EXPECT_THAT(error_of([&] { attach({{"classifier_shards", "0"}}, gpt); }), HasSubstr("classifier_shards=0"));
+  auto bert = models::preset("bert-tiny").config;  // 100 classes
+  EXPECT_THAT(error_of([&] { attach({{"classifier_shards", "101"}}, bert); }), HasSubstr("exceeds the 100 classes"));
+}
+
+TEST(ManualSplit, partition_minimises_the_heaviest_stage) {
+  EXPECT_EQ(ManualSplit::partition({1, 1, 1, 1}, 2), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(ManualSplit::partition({10, 1, 1, 1}, 2), (std::vector<int64_t>{1, 3}));
+  // Against brute force over every way to cut.
+  const bool ok = rc::check("partition is optimal", [] {
+    const auto n = *rc::gen::inRange<int64_t>(2, 8);
+    const auto stages = *rc::gen::inRange<int64_t>(1, n + 1);
+    const auto w = *rc::gen::container<std::vector<double>>(static_cast<size_t>(n), rc::gen::map(rc::gen::inRange(1, 100), [](int x) { return double(x); }));
+    const auto balance = ManualSplit::partition(w, stages);
+    RC_ASSERT(static_cast<int64_t>(balance.size()) == stages);
+    double heaviest = 0, start = 0;
+    for (auto b : balance) {
+      RC_ASSERT(b >= 1);
+      heaviest = std::max(heaviest, std::accumulate(w.begin() + start, w.begin() + start + b, 0.0));
+      start += b;
+    }
+    RC_ASSERT(start == n);
+    double best = 1e18;
+    for (int64_t mask = 0; mask < (1 << (n - 1)); ++mask) {  // bit i set: cut after block i
+      if (__builtin_popcountll(mask) != stages - 1) continue;
+      double worst = 0, sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        sum += w[i];
+        if (i == n - 1 || (mask >> i) & 1) {
+          worst = std::max(worst, sum);
+          sum = 0;
+        }
+      }
+      best = std::min(best, worst);
+    }
+    RC_ASSERT(heaviest == best);
+  });
+  EXPECT_TRUE(ok);
+}
+
+TEST(ManualSplit, every_parameter_is_resident_only_on_its_stage_device) {
+  auto s = make_split({{"balance", "1,2,1"}, {"devices", devices(3)}});
+  const auto config = models::preset("gpt-tiny").config;  // embedding, 2 blocks, head (tied)
+  s->attach(models::build_model(config, 0));
+  std::vector<int64_t> stage_of;
+  for (size_t st = 0; st < s->balance().size(); ++st)
+    for (int64_t i = 0; i < s->balance()[st]; ++i) stage_of.push_back(static_cast<int64_t>(st));
+  for (const auto& [where, dev] : s->placement()) {
+    const auto block = std::stoll(where.substr(0, where.find(':')));
+    EXPECT_EQ(dev, s->stage_devices()[stage_of[block]]) << where;
+  }
+  // The tied embedding: home in stage 0, one replica in stage 2; nothing else is duplicated.
+  const auto stats = s->stats();
+  int64_t held = 0;
+  for (const auto& [d, mem] : stats.devices) held += mem.resident_param_bytes;
+  const auto model = models::build_model(config, 0);
+  const int64_t tied = model.parameters().front().tensor.nbytes();
+  EXPECT_EQ(held, model.parameter_bytes() + tied);
+}
+
+TEST(ManualSplit, tied_replica_is_synced_and_drifts_without_the_sync) {
+  const auto config = models::preset("gpt-tiny").config;
+  correctness::ParityCase pc;
+  pc.model = config;
+  pc.options = {{"balance", "2,2"}, {"devices", devices(2)}};
+  EXPECT_TRUE(correctness::check_parity("manual_split", pc, test::device()).ok);
+
+  for (bool sync : {true, false}) {
+    auto s = make_split({{"balance", "2,2"}, {"devices", devices(2)}, {"sync_replicas", sync ? "1" : "0"}});
+    s->attach(models::build_model(config, 0));
+    for (int step = 0; step < 3; ++step) {
+      s->train_step(models::make_batch(config, 2, step));
+      s->optimizer_step();
+    }
+    if (sync)
+      EXPECT_EQ(s->max_replica_drift(), 0.0);
+    else
+      EXPECT_GT(s->max_replica_drift(), 1e-4) << "without the sync the replica must drift from its home";
+  }
+  // And the parity checker sees the missing head contribution to the tied gradient.
+  pc.options["sync_replicas"] = "0";
+  const auto r = correctness::check_parity("manual_split", pc, test::device());
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.message, HasSubstr("0.tokens"));
+}
+
+TEST(ManualSplit, column_split_classifier_matches_the_baseline) {
+  for (const auto* preset : {"bert-tiny", "mlp-tiny"}) {
+    for (int shards : {2, 3}) {
+      correctness::ParityCase pc;
+      pc.model = models::preset(preset).config;
+      pc.batch_size = 3;
+      pc.options = {{"devices", devices(2)}, {"classifier_shards", std::to_string(shards)}};
+      const auto r = correctness::check_parity("manual_split", pc, test::device());
+      EXPECT_TRUE(r.ok) << preset << " shards=" << shards << ": " << r.message;
+    }
+  }
+  auto gpt = models::preset("gpt-tiny").config;
+  gpt.tied = false;
+  correctness::ParityCase pc;
+  pc.model = gpt;
+  pc.options = {{"devices", devices(2)}, {"classifier_shards", "2"}};
+  const auto r = correctness::check_parity("manual_split", pc, test::device());
+  EXPECT_TRUE(r.ok) << "untied gpt: " << r.message;
+}
+
+TEST(ManualSplit, forward_only_matches_the_baseline) {
+  for (const auto& options : std::vector<std::map<std::string, std::string>>{
+           {{"balance", "1,4"}, {"devices", devices(2)}}, {{"devices", devices(3)}, {"classifier_shards", "3"}}}) {
+    const auto config = models::preset("bert-tiny").config;
+    const auto batch = models::make_batch(config, 2, 1);
+    StrategyConfig c;
+    c.device = test::device();
+    auto base = Registry::create("baseline", c);
+    base->attach(models::build_model(config, 0));
+    auto s = make_split(options);
+    s->attach(models::build_model(config, 0));
+    EXPECT_TRUE(torch::allclose(s->forward(batch.input).cpu(), base->forward(batch.input).cpu(), 1e-5, 1e-6));
+  }
+}
+
+TEST(ManualSplit, bytes_across_stages_equal_the_analytic_count) {
+  // MLP with 3 blocks split {1,2}: one boundary; the [batch, width] activation goes over in
+  // forward and its gradient comes back in backward. No tied parameter, so no replica traffic.
+  const auto config = models::preset("mlp-tiny").config;
+  auto s = make_split({{"balance", "1,2"}, {"devices", devices(2)}});
+  s->attach(models::build_model(config, 0));
+  const int64_t batch = 5;
+  s->reset_stats();
+  s->train_step(models::make_batch(config, batch, 1));
+  EXPECT_EQ(s->stats().bytes_interconnect, 2 * batch * config.width * 4);
+}
+
+}  // namespace
+}  // namespace strata
+
+// Two real devices (label multigpu): the split across cuda:0 and cuda:1, the tied embedding's
+// replica on the second device, and the classifier split over both.
+namespace strata {
+namespace {
+
+TEST(MultiGpu, split_across_two_devices_matches_the_baseline) {
+  for (const auto* preset : {"gpt-tiny", "bert-tiny", "mlp-tied-tiny"}) {
+    correctness::ParityCase pc;
+    pc.model = models::preset(preset).config;
+    pc.options = {{"devices", "cuda:0,cuda:1"}};
+    const auto r = correctness::check_parity("manual_split", pc, torch::Device(torch::kCUDA, 0));
+    EXPECT_TRUE(r.ok) << preset << ": " << r.message;
+  }
+}
+
+TEST(MultiGpu, seed_case_classifier_on_the_second_device_and_split_over_both) {
+  const auto config = models::preset("bert-tiny").config;  // 5 blocks; the classifier is the last
+  for (const auto& options : std::vector<std::map<std::string, std::string>>{
+           {{"devices", "cuda:0,cuda:1"}, {"balance", "4,1"}},
+           {{"devices", "cuda:0,cuda:1"}, {"balance", "4,1"}, {"classifier_shards", "2"}}}) {
+    correctness::ParityCase pc;
+    pc.model = config;
+    pc.options = options;
+    const auto r = correctness::check_parity("manual_split", pc, torch::Device(torch::kCUDA, 0));
+    EXPECT_TRUE(r.ok) << pc.to_string() << ": " << r.message;
+  }
+}
+
+TEST(MultiGpu, prop_split_over_two_devices_matches_the_baseline) {
+  const bool ok = rc::check("manual_split over cuda:0 and cuda:1", [] {
+    const auto c = *correctness::gen_parity_case("manual_split", {"cuda:0", "cuda:1"});
+    const auto r = correctness::check_parity("manual_split", c, torch::Device(torch::kCUDA, 0));
+    if (!r.ok) RC_FAIL(r.message);
+  });
+  EXPECT_TRUE(ok);
+}
+
+}  // namespace
+}  // namespace strata

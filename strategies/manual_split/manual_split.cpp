@@ -1,0 +1,551 @@
+#include "strategies/manual_split/manual_split.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+#include "models/check.h"
+#include "strategies/device/device.h"
+#include "strategies/options.h"
+
+namespace strata {
+namespace {
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream out;
+  out << "{";
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  out << "}";
+  return out.str();
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+void accumulate(torch::Tensor& grad, const torch::Tensor& contribution) {
+  if (!contribution.defined()) return;
+  if (!grad.defined())
+    grad = contribution;
+  else
+    grad.add_(contribution);
+}
+
+}  // namespace
+
+ManualSplitOptions ManualSplitOptions::parse(const std::map<std::string, std::string>& options) {
+  OptionReader reader("manual_split", options);
+  ManualSplitOptions o;
+  const auto balance = reader.get_string("balance", "auto");
+  if (balance != "auto") o.balance = reader.get_ints("balance", {});
+  const auto devices = reader.get_string("devices", "");
+  if (!devices.empty()) o.devices = split_list(devices);
+  o.stages = reader.get_int("stages", o.stages);
+  o.weigh = reader.get_string("weigh", o.weigh);
+  o.classifier_shards = reader.get_int("classifier_shards", o.classifier_shards);
+  o.sync_replicas = reader.get_bool("sync_replicas", o.sync_replicas);
+  reader.finish();
+  o.validate();
+  return o;
+}
+
+void ManualSplitOptions::validate() const {
+  for (size_t i = 0; i < balance.size(); ++i)
+    STRATA_CHECK(balance[i] >= 1, "manual_split: balance " << join(balance) << " has an empty stage (stage " << i
+                                                           << " gets " << balance[i] << " blocks)");
+  STRATA_CHECK(stages >= 0, "manual_split: stages=" << stages << " must not be negative");
+  STRATA_CHECK(weigh == "params" || weigh == "memory",
+               "manual_split: weigh='" << weigh << "' is not valid; use params or memory");
+  STRATA_CHECK(classifier_shards >= 1, "manual_split: classifier_shards=" << classifier_shards << " must be at least 1");
+  for (const auto& d : devices) {
+    try {
+      device::parse(d);
+    } catch (const Error& e) {
+      STRATA_CHECK(false, "manual_split: " << e.what());
+    }
+  }
+  if (!balance.empty() && !devices.empty())
+    STRATA_CHECK(balance.size() == devices.size(), "manual_split: balance " << join(balance) << " has "
+                                                                            << balance.size() << " stages but "
+                                                                            << devices.size() << " devices were given");
+  if (!balance.empty() && stages > 0)
+    STRATA_CHECK(static_cast<int64_t>(balance.size()) == stages,
+                 "manual_split: balance " << join(balance) << " has " << balance.size() << " stages but stages="
+                                          << stages);
+}
+
+std::vector<int64_t> ManualSplit::partition(const std::vector<double>& w, int64_t stages) {
+  // Linear partition by dynamic programming: best[s][i] = lightest possible heaviest stage when
+  // the first i blocks form s stages.
+  const auto n = static_cast<int64_t>(w.size());
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + w[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> cut(stages + 1, std::vector<int64_t>(n + 1, 0));
+  best[0][0] = 0.0;
+  for (int64_t s = 1; s <= stages; ++s)
+    for (int64_t i = s; i <= n; ++i)
+      for (int64_t j = s - 1; j < i; ++j) {
+        const double cost = std::max(best[s - 1][j], prefix[i] - prefix[j]);
+        if (cost < best[s][i]) {
+          best[s][i] = cost;
+          cut[s][i] = j;
+        }
+      }
+  std::vector<int64_t> balance(stages);
+  for (int64_t s = stages, i = n; s >= 1; --s) {
+    balance[s - 1] = i - cut[s][i];
+    i = cut[s][i];
+  }
+  return balance;
+}
+
+ManualSplit::ManualSplit(std::string name, const StrategyConfig& config, ManualSplitOptions options)
+    : name_(std::move(name)), config_(config), options_(std::move(options)) {
+  device::check_available(config_.device);
+}
+
+models::BlockModel& ManualSplit::model() {
+  STRATA_CHECK(model_.has_value(), name_ << ": attach() a model first");
+  return *model_;
+}
+
+void ManualSplit::attach(models::BlockModel model) {
+  const auto n = model.num_blocks();
+  // Stage devices: the options' list, else the config's, else `stages` copies of the main device.
+  if (!options_.devices.empty()) {
+    for (const auto& d : options_.devices) devices_.push_back(device::parse(d));
+  } else if (!config_.devices.empty()) {
+    devices_ = config_.devices;
+  } else {
+    int64_t stages = options_.stages > 0 ? options_.stages
+                     : !options_.balance.empty() ? static_cast<int64_t>(options_.balance.size())
+                                                 : std::min<int64_t>(2, n);
+    devices_.assign(stages, config_.device);
+  }
+  for (const auto& d : devices_) device::check_available(d);
+  const auto stages = static_cast<int64_t>(devices_.size());
+  STRATA_CHECK(!options_.balance.empty() || stages <= n,
+               "manual_split: " << stages << " stages for a model of " << n << " blocks; every stage needs a block");
+  STRATA_CHECK(options_.balance.empty() || static_cast<int64_t>(options_.balance.size()) == stages,
+               "manual_split: balance " << join(options_.balance) << " has " << options_.balance.size()
+                                        << " stages but there are " << stages << " devices");
+
+  const auto& params = model.parameters();
+  const auto& uses = model.block_parameters();
+  if (options_.balance.empty()) {
+    // Weigh each block by the bytes it holds: parameters (a tied one in every stage using it),
+    // and with weigh=memory also their gradients and optimizer state.
+    const double per_byte =
+        options_.weigh == "memory" ? (config_.optimizer.kind == OptimizerKind::adamw ? 4.0 : 3.0) : 1.0;
+    std::vector<double> w(n, 0.0);
+    for (int64_t b = 0; b < n; ++b)
+      for (auto p : uses[b]) w[b] += per_byte * params[p].tensor.numel() * params[p].tensor.element_size();
+    balance_ = partition(w, stages);
+  } else {
+    balance_ = options_.balance;
+    const auto total = std::accumulate(balance_.begin(), balance_.end(), int64_t{0});
+    STRATA_CHECK(total == n, "manual_split: balance " << join(balance_) << " sums to " << total
+                                                      << " but the model has " << n << " blocks");
+  }
+  stage_of_.clear();
+  for (int64_t s = 0; s < stages; ++s)
+    for (int64_t i = 0; i < balance_[s]; ++i) stage_of_.push_back(s);
+
+  // Column split of the head.
+  const int64_t last = n - 1;
+  if (options_.classifier_shards > 1) {
+    auto* head = dynamic_cast<models::LinearHead*>(model.blocks()[last].get());
+    STRATA_CHECK(head, "manual_split: classifier_shards=" << options_.classifier_shards << " needs the last block (block "
+                                                          << last << ") to be a linear head");
+    auto find = [&](const torch::Tensor& t) -> int64_t {
+      if (!t.defined()) return -1;
+      for (size_t p = 0; p < params.size(); ++p)
+        if (params[p].tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return static_cast<int64_t>(p);
+      return -1;
+    };
+    head_weight_ = find(head->weight());
+    head_bias_ = find(head->bias());
+    int users = 0;
+    for (const auto& u : uses)
+      users += std::count(u.begin(), u.end(), head_weight_);
+    STRATA_CHECK(head_weight_ >= 0 && users == 1,
+                 "manual_split: classifier_shards=" << options_.classifier_shards
+                                                    << " needs a head whose weight is its own; this head's weight is "
+                                                       "tied to another block");
+    const auto classes = head->weight().size(0);
+    STRATA_CHECK(options_.classifier_shards <= classes, "manual_split: classifier_shards=" << options_.classifier_shards
+                                                                                           << " exceeds the " << classes
+                                                                                           << " classes of the head");
+    head_weight_shape_ = head->weight().sizes().vec();
+    const auto k = options_.classifier_shards;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t lo = classes * i / k, hi = classes * (i + 1) / k;
+      const auto dev = devices_[i % stages];
+      Shard shard{lo, hi, dev, {}, {}, {}, {}};
+      torch::NoGradGuard no_grad;
+      shard.weight = head->weight().narrow(0, lo, hi - lo).to(dev).clone().requires_grad_(true);
+      if (head_bias_ >= 0) shard.bias = head->bias().narrow(0, lo, hi - lo).to(dev).clone().requires_grad_(true);
+      shards_.push_back(std::move(shard));
+    }
+  }
+
+  // Every parameter moves to its home: the stage of its first user. The split head's own weight
+  // and bias are replaced by the shards and keep no memory.
+  home_stage_.assign(params.size(), 0);
+  for (size_t p = 0; p < params.size(); ++p) {
+    home_stage_[p] = stage_of_[params[p].owner_block];
+    auto t = params[p].tensor;
+    const bool replaced = static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_;
+    const auto& dev = devices_[home_stage_[p]];
+    t.set_data(replaced ? torch::empty({0}, t.options().device(dev)) : t.detach().to(dev));
+  }
+  // Replicas: a parameter used by a block of another stage gets one copy there.
+  for (int64_t b = 0; b < n; ++b) {
+    for (auto p : uses[b]) {
+      const auto s = stage_of_[b];
+      if (s == home_stage_[p]) continue;
+      const bool have = std::any_of(replicas_.begin(), replicas_.end(),
+                                    [&](const Replica& r) { return r.param == p && r.stage == s; });
+      if (have) continue;
+      torch::NoGradGuard no_grad;
+      replicas_.push_back({p, s, params[p].tensor.detach().to(devices_[s]).clone().requires_grad_(true)});
+    }
+  }
+  optimizer_state_.assign(params.size(), {});
+  kept_.assign(n, {});
+  model_.emplace(std::move(model));
+}
+
+std::vector<ManualSplit::Replica*> ManualSplit::replicas_of_block(int64_t block) {
+  std::vector<Replica*> out;
+  const auto& uses = model().block_parameters()[block];
+  for (auto& r : replicas_)
+    if (r.stage == stage_of_[block] && std::find(uses.begin(), uses.end(), r.param) != uses.end()) out.push_back(&r);
+  return out;
+}
+
+// The block computes with its replicas: the shared parameter's data is swapped for the replica's
+// for the duration of its forward (and backward, where autograd reads saved leaves).
+void ManualSplit::swap_in(int64_t block, std::vector<torch::Tensor>& saved) {
+  saved.clear();
+  for (auto* r : replicas_of_block(block)) {
+    auto t = model().parameters()[r->param].tensor;
+    saved.push_back(t.detach());
+    t.set_data(r->value.detach());
+  }
+}
+
+void ManualSplit::swap_out(int64_t block, std::vector<torch::Tensor>& saved) {
+  auto replicas = replicas_of_block(block);
+  for (size_t i = 0; i < replicas.size(); ++i) model().parameters()[replicas[i]->param].tensor.set_data(saved[i]);
+  saved.clear();
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A block that uses replicas: its gradients are routed by hand, the replicas' to the replicas and
+// the rest to the block's own parameters, so no gradient ever meets a tensor of another device.
+struct ReplicaBlock : torch::autograd::Function<ReplicaBlock> {
+  static torch::Tensor forward(AutogradContext* ctx, ManualSplit* self, int64_t block, torch::Tensor x,
+                               torch::Tensor anchor) {
+    ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
+    ctx->saved_data["block"] = block;
+    std::vector<torch::Tensor> saved;
+    self->swap_in(block, saved);
+    torch::Tensor out;
+    {
+      torch::AutoGradMode enable(true);
+      auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
+      auto y = self->model().blocks()[block]->forward(x_leaf);
+      self->kept_graphs()[block] = {torch::autograd::impl::gradient_edge(y), x_leaf};
+      out = y.detach();
+    }
+    self->swap_out(block, saved);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto* self = reinterpret_cast<ManualSplit*>(ctx->saved_data["self"].toInt());
+    const auto block = ctx->saved_data["block"].toInt();
+    auto& kept = self->kept_graphs()[block];
+    auto x_leaf = std::move(kept.input);
+    auto output = std::move(kept.output);
+    kept = {};
+    auto params = self->model().blocks()[block]->parameters();
+    torch::autograd::edge_list wanted;
+    const bool needs_input_grad = x_leaf.requires_grad();
+    if (needs_input_grad) wanted.push_back(torch::autograd::impl::gradient_edge(x_leaf));
+    for (const auto& p : params) wanted.push_back(torch::autograd::impl::gradient_edge(p));
+    std::vector<torch::Tensor> saved;
+    self->swap_in(block, saved);
+    auto grads = torch::autograd::Engine::get_default_engine().execute(
+        {output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
+    self->swap_out(block, saved);
+    const auto replicas = self->replicas_of_block(block);
+    const auto& all = self->model().parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& g = grads[i + (needs_input_grad ? 1 : 0)];
+      ManualSplit::Replica* replica = nullptr;
+      for (auto* r : replicas)
+        if (all[r->param].tensor.unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl()) replica = r;
+      accumulate(replica ? replica->value.mutable_grad() : params[i].mutable_grad(), g);
+    }
+    return {torch::Tensor(), torch::Tensor(), needs_input_grad ? grads[0] : torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor ManualSplit::move(const torch::Tensor& x, int64_t from_stage, int64_t to_stage, bool counts_backward) {
+  if (from_stage == to_stage) return x;
+  // A stage boundary: the activation goes over, and in backward its gradient comes back.
+  bytes_interconnect_ += x.nbytes() * ((counts_backward && x.requires_grad()) ? 2 : 1);
+  return x.to(devices_[to_stage]);
+}
+
+torch::Tensor ManualSplit::sharded_logits(const torch::Tensor& features) {
+  const auto last = static_cast<int64_t>(devices_.size()) - 1;
+  std::vector<torch::Tensor> parts;
+  for (auto& s : shards_) {
+    auto h = features.to(s.device);
+    auto z = torch::nn::functional::linear(h, s.weight, s.bias);
+    if (s.device != devices_[last]) bytes_interconnect_ += features.nbytes() + z.nbytes();
+    parts.push_back(z.to(devices_[last]));
+  }
+  return torch::cat(parts, -1);
+}
+
+torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const torch::Tensor& target) {
+  // Cross-entropy over column shards, never holding [N, classes] on one device:
+  //   loss_n = log sum_k sum_c exp(z_k[n,c] - M_n) + M_n - z[n, y_n],  M_n = max over all shards
+  // Each shard sends back three [N] vectors (its max, its sum of exponentials, its target logit).
+  const auto out_dev = devices_.back();
+  const auto d = features.size(-1);
+  auto h = features.reshape({-1, d});
+  auto y = target.reshape({-1}).to(out_dev);
+  const auto rows = h.size(0);
+  std::vector<torch::Tensor> logits;
+  std::vector<torch::Tensor> maxima;
+  for (auto& s : shards_) {
+    const bool remote = s.device != out_dev;
+    if (remote) bytes_interconnect_ += 2 * h.nbytes();  // features over, their gradient back
+    auto z = torch::nn::functional::linear(h.to(s.device), s.weight, s.bias);
+    maxima.push_back(std::get<0>(z.detach().max(1)).to(out_dev));
+    logits.push_back(z);
+  }
+  // The shift is gradient-neutral, so it is taken out of the graph.
+  auto global_max = std::get<0>(torch::stack(maxima).max(0));
+  torch::Tensor sum_exp, target_logit;
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    const auto& s = shards_[k];
+    auto m = global_max.to(s.device);
+    auto sk = torch::exp(logits[k] - m.unsqueeze(1)).sum(1);
+    auto yk = y.to(s.device);
+    auto in_shard = (yk >= s.lo).logical_and(yk < s.hi);
+    auto local = (yk - s.lo).clamp(0, s.hi - s.lo - 1);
+    auto tk = logits[k].gather(1, local.unsqueeze(1)).squeeze(1) * in_shard.to(logits[k].scalar_type());
+    if (s.device != out_dev) bytes_interconnect_ += 4 * rows * 4;  // sums and target logits, and their gradients
+    sum_exp = k == 0 ? sk.to(out_dev) : sum_exp + sk.to(out_dev);
+    target_logit = k == 0 ? tk.to(out_dev) : target_logit + tk.to(out_dev);
+  }
+  return (torch::log(sum_exp) + global_max - target_logit).mean();
+}
+
+torch::Tensor ManualSplit::run_blocks(torch::Tensor x, const torch::Tensor& target, torch::Tensor* loss) {
+  auto& m = model();
+  const auto n = m.num_blocks();
+  for (int64_t b = 0; b < n; ++b) {
+    if (b > 0) x = move(x, stage_of_[b - 1], stage_of_[b], loss != nullptr);
+    const bool replicated = !replicas_of_block(b).empty();
+    if (b == n - 1 && sharded()) {
+      auto* head = dynamic_cast<models::LinearHead*>(m.blocks()[b].get());
+      torch::Tensor features;
+      if (replicated) {
+        std::vector<torch::Tensor> saved;  // a head that uses replicas for its features (tied norm)
+        swap_in(b, saved);
+        features = head->features(x);
+        swap_out(b, saved);
+      } else {
+        features = head->features(x);
+      }
+      if (loss) {
+        *loss = sharded_loss(features, target);
+        return {};
+      }
+      return sharded_logits(features);
+    }
+    if (!replicated) {
+      x = m.blocks()[b]->forward(x);
+    } else if (loss) {
+      x = ReplicaBlock::apply(this, b, x, anchor_);
+    } else {
+      std::vector<torch::Tensor> saved;
+      swap_in(b, saved);
+      x = m.blocks()[b]->forward(x);
+      swap_out(b, saved);
+    }
+  }
+  if (loss) *loss = m.loss(x, target.to(devices_.back()));
+  return x;
+}
+
+double ManualSplit::train_step(const models::Batch& batch) {
+  model();
+  if (!anchor_.defined()) anchor_ = torch::empty({0}, torch::TensorOptions().device(devices_.front())).requires_grad_(true);
+  bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
+  torch::Tensor loss;
+  run_blocks(batch.input.to(devices_.front()), batch.target, &loss);
+  loss.backward();
+  anchor_.mutable_grad() = torch::Tensor();
+  for (auto& kept : kept_) kept = {};
+  return loss.item<double>();
+}
+
+torch::Tensor ManualSplit::forward(const torch::Tensor& input) {
+  model();
+  torch::NoGradGuard no_grad;
+  bytes_h2d_ += input.nbytes();
+  return run_blocks(input.to(devices_.front()), {}, nullptr);
+}
+
+void ManualSplit::optimizer_step() {
+  auto& params = model().parameters();
+  torch::NoGradGuard no_grad;
+  if (options_.sync_replicas) {
+    for (auto& r : replicas_) {
+      const auto& g = r.value.grad();
+      if (!g.defined()) continue;
+      bytes_interconnect_ += g.nbytes();
+      accumulate(params[r.param].tensor.mutable_grad(), g.to(devices_[home_stage_[r.param]]));
+    }
+  }
+  for (size_t p = 0; p < params.size(); ++p) {
+    auto t = params[p].tensor;
+    if (!t.grad().defined()) continue;
+    optimizer_update(config_.optimizer, t, t.grad(), optimizer_state_[p]);
+    t.mutable_grad() = torch::Tensor();
+  }
+  for (auto& s : shards_) {
+    optimizer_update(config_.optimizer, s.weight, s.weight.grad(), s.weight_state);
+    s.weight.mutable_grad() = torch::Tensor();
+    if (s.bias.defined()) {
+      optimizer_update(config_.optimizer, s.bias, s.bias.grad(), s.bias_state);
+      s.bias.mutable_grad() = torch::Tensor();
+    }
+  }
+  for (auto& r : replicas_) {
+    if (options_.sync_replicas) {
+      r.value.copy_(params[r.param].tensor.detach());
+      bytes_interconnect_ += r.value.nbytes();
+    }
+    r.value.mutable_grad() = torch::Tensor();
+  }
+}
+
+NamedTensors ManualSplit::gradients() {
+  const auto& params = model().parameters();
+  NamedTensors out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto& t = params[p].tensor;
+    torch::Tensor g;
+    if (static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_) {
+      std::vector<torch::Tensor> parts;
+      for (auto& s : shards_) {
+        const auto& st = static_cast<int64_t>(p) == head_weight_ ? s.weight : s.bias;
+        parts.push_back(st.grad().defined() ? st.grad().cpu() : torch::zeros(st.sizes()));
+      }
+      g = torch::cat(parts, 0);
+    } else {
+      g = t.grad().defined() ? t.grad().detach().cpu() : torch::zeros(t.sizes());
+      // The full gradient includes the replicas' contributions (summed into the home at the step).
+      if (options_.sync_replicas)
+        for (auto& r : replicas_)
+          if (r.param == static_cast<int64_t>(p) && r.value.grad().defined()) g = g + r.value.grad().cpu();
+    }
+    out.emplace_back(params[p].name, g);
+  }
+  return out;
+}
+
+NamedTensors ManualSplit::parameters() {
+  const auto& params = model().parameters();
+  NamedTensors out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_) {
+      std::vector<torch::Tensor> parts;
+      for (auto& s : shards_) parts.push_back((static_cast<int64_t>(p) == head_weight_ ? s.weight : s.bias).detach().cpu());
+      out.emplace_back(params[p].name, torch::cat(parts, 0));
+    } else {
+      out.emplace_back(params[p].name, params[p].tensor.detach().cpu());
+    }
+  }
+  return out;
+}
+
+double ManualSplit::max_replica_drift() {
+  double drift = 0.0;
+  for (auto& r : replicas_) {
+    auto home = model().parameters()[r.param].tensor.detach().cpu();
+    drift = std::max(drift, (r.value.detach().cpu() - home).abs().max().item<double>());
+  }
+  return drift;
+}
+
+std::vector<std::pair<std::string, torch::Device>> ManualSplit::placement() {
+  std::vector<std::pair<std::string, torch::Device>> out;
+  const auto& params = model().parameters();
+  for (int64_t b = 0; b < model().num_blocks(); ++b) {
+    for (auto p : model().block_parameters()[b]) {
+      torch::Device where = params[p].tensor.device();
+      for (auto& r : replicas_)
+        if (r.param == p && r.stage == stage_of_[b]) where = r.value.device();
+      out.emplace_back(std::to_string(b) + ":" + params[p].name, where);
+    }
+  }
+  return out;
+}
+
+Stats ManualSplit::stats() {
+  Stats s;
+  s.bytes_h2d = bytes_h2d_;
+  s.bytes_interconnect = bytes_interconnect_;
+  const auto& params = model().parameters();
+  auto add = [&](const torch::Device& d, int64_t bytes) {
+    auto& mem = s.devices[d.str()];
+    mem.resident_param_bytes += bytes;
+    mem.peak_param_bytes += bytes;
+  };
+  for (const auto& p : params) add(p.tensor.device(), p.tensor.nbytes());
+  for (const auto& r : replicas_) add(r.value.device(), r.value.nbytes());
+  for (const auto& sh : shards_) add(sh.device, sh.weight.nbytes() + (sh.bias.defined() ? sh.bias.nbytes() : 0));
+  for (auto& [name, mem] : s.devices) {
+    const auto alloc = device::allocator_stats(torch::Device(name));
+    mem.peak_allocated = alloc.peak_allocated;
+    mem.peak_reserved = alloc.peak_reserved;
+  }
+  return s;
+}
+
+void ManualSplit::reset_stats() {
+  bytes_h2d_ = bytes_interconnect_ = 0;
+  for (const auto& d : devices_) device::reset_peak_stats(d);
+}
+
+STRATA_REGISTER_STRATEGY("manual_split",
+                         "blocks split over stage devices (balance by bytes), tied weights as home + replica",
+                         [](const StrategyConfig& c) {
+                           return std::make_unique<ManualSplit>("manual_split", c, ManualSplitOptions::parse(c.options));
+                         });
+
+}  // namespace strata

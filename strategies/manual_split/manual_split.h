@@ -1,0 +1,104 @@
+#pragma once
+// Manual split (seed 000): blocks assigned to a list of devices (stages) by an explicit balance or
+// automatically by bytes; the batch starts on the first device, activations cross stage
+// boundaries through autograd, the loss is computed on the last device. Model parallel only.
+//
+// A tied parameter used by blocks of two stages lives in its home stage (its first user) and has a
+// replica in the other; the replica's gradient is summed into the home before the optimizer step
+// and the replica is re-synced from the home after it. The last block, if it is a linear head, can
+// be split by output columns over several devices with a cross-entropy computed across the shards
+// (vocabulary-parallel), so a classifier larger than any one device trains.
+#include <optional>
+
+#include "strategies/strategy.h"
+
+namespace strata {
+
+struct ManualSplitOptions {
+  std::vector<int64_t> balance;        ///< blocks per stage; empty = automatic
+  std::vector<std::string> devices;    ///< stage devices; empty = the config's devices, else `stages` x main device
+  int64_t stages = 0;                  ///< stages on the main device when no devices are given (0: 2, or 1 for 1 block)
+  std::string weigh = "params";        ///< automatic balance by: params (parameter bytes) | memory (+ grads and optimizer state)
+  int64_t classifier_shards = 1;       ///< split the last block (a linear head) by output columns into this many shards
+  bool sync_replicas = true;           ///< false skips the tied replicas' gradient sum and re-sync (to show the drift)
+
+  static ManualSplitOptions parse(const std::map<std::string, std::string>& options);
+  void validate() const;
+};
+
+class ManualSplit : public Strategy {
+ public:
+  ManualSplit(std::string name, const StrategyConfig& config, ManualSplitOptions options);
+
+  std::string name() const override { return name_; }
+  void attach(models::BlockModel model) override;
+  double train_step(const models::Batch& batch) override;
+  torch::Tensor forward(const torch::Tensor& input) override;
+  void optimizer_step() override;
+  NamedTensors gradients() override;
+  NamedTensors parameters() override;
+  Stats stats() override;
+  void reset_stats() override;
+
+  /// Stage devices and blocks per stage as resolved at attach().
+  const std::vector<torch::Device>& stage_devices() const { return devices_; }
+  const std::vector<int64_t>& balance() const { return balance_; }
+  /// Largest |replica - home| over all tied replicas (0 while they are in sync).
+  double max_replica_drift();
+  /// For each block's parameters: the device of the tensor the block computes with.
+  std::vector<std::pair<std::string, torch::Device>> placement();
+
+  /// Blocks per stage minimising the heaviest stage (contiguous, none empty).
+  static std::vector<int64_t> partition(const std::vector<double>& weights, int64_t stages);
+
+  // Used by the replica-running autograd function.
+  struct Replica {
+    int64_t param;       ///< index into model().parameters()
+    int64_t stage;
+    torch::Tensor value; ///< leaf on the stage's device
+  };
+  struct KeptGraph {
+    torch::autograd::Edge output;
+    torch::Tensor input;
+  };
+  models::BlockModel& model();
+  std::vector<Replica*> replicas_of_block(int64_t block);
+  void swap_in(int64_t block, std::vector<torch::Tensor>& saved);
+  void swap_out(int64_t block, std::vector<torch::Tensor>& saved);
+  std::vector<KeptGraph>& kept_graphs() { return kept_; }
+
+ private:
+  torch::Tensor move(const torch::Tensor& x, int64_t from_stage, int64_t to_stage, bool counts_backward);
+  torch::Tensor run_blocks(torch::Tensor x, const torch::Tensor& target, torch::Tensor* loss);
+  torch::Tensor sharded_logits(const torch::Tensor& features);
+  torch::Tensor sharded_loss(const torch::Tensor& features, const torch::Tensor& target);
+  bool sharded() const { return !shards_.empty(); }
+
+  std::string name_;
+  StrategyConfig config_;
+  ManualSplitOptions options_;
+  std::optional<models::BlockModel> model_;
+  std::vector<torch::Device> devices_;
+  std::vector<int64_t> balance_;
+  std::vector<int64_t> stage_of_;        ///< block -> stage
+  std::vector<int64_t> home_stage_;      ///< parameter -> stage of its home copy
+  std::vector<Replica> replicas_;
+  std::vector<OptimizerState> optimizer_state_;
+  std::vector<KeptGraph> kept_;
+  torch::Tensor anchor_;                 ///< requires grad, so replica blocks' outputs always do
+
+  // Column shards of the head: weight rows [lo, hi) (and bias) on a device each.
+  struct Shard {
+    int64_t lo, hi;
+    torch::Device device;
+    torch::Tensor weight, bias;
+    OptimizerState weight_state, bias_state;
+  };
+  std::vector<Shard> shards_;
+  int64_t head_weight_ = -1, head_bias_ = -1;  ///< parameter indices of the split head
+  std::vector<int64_t> head_weight_shape_;
+
+  int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
+};
+
+}  // namespace strata
