@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU-runner job: build with CUDA, run the whole correctness suite (cpu and cuda labels), then
-# the comparison on the GPU. Logs and results go to OUTDIR (default build/cuda/results).
+# The GPU-runner job: build with CUDA, run the whole correctness suite (labels cpu, cuda, multigpu),
+# run the benchmark matrix and PyTorch's peers, write the report, and gate the run against the
+# committed baseline for this GPU model (reports/baselines/<gpu>.json; thresholds in ci/gate.py and
+# bench/METRICS.md). The gate is also shown to pass on the run itself and to fail on a doctored
+# copy, so a broken gate cannot pass silently.
 #
-#   ci/gpu.sh [OUTDIR]
+#   ci/gpu.sh [OUTDIR]        (default build/cuda/results)
 #
 # Needs a CUDA LibTorch and the test libraries (GoogleTest, rapidcheck, Google Benchmark) on
 # CMAKE_PREFIX_PATH; the LibTorch inside python3's torch is added when present.
+# Environment: STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_PEERS_MODEL (default
+# gpt-871m), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 outdir=$(realpath -m "${1:-build/cuda/results}")
@@ -13,25 +18,57 @@ mkdir -p "$outdir"
 if torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null); then
   export CMAKE_PREFIX_PATH="$torch_prefix${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$outdir/gpu.txt" || true
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+gpu_key=$(echo "$gpu_name" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-' | sed 's/-$//')
+echo "ci/gpu.sh: $gpu_name ($gpu_key)"
 
 t0=$(date +%s)
-cmake --preset cuda 2>&1 | tee "$outdir/build.log" | tail -n 3
-cmake --build --preset cuda -j "$(nproc)" 2>&1 | tee -a "$outdir/build.log" | grep -E "error|warning: |FAILED" || true
-[ -x build/cuda/correctness/strata_tests ] || { echo "ci/gpu.sh: build failed, see $outdir/build.log"; exit 1; }
-t1=$(date +%s)
-echo "ci/gpu.sh: configure + build took $((t1 - t0)) s"
+cmake --preset cuda > "$outdir/build.log" 2>&1
+cmake --build --preset cuda -j "$(nproc)" >> "$outdir/build.log" 2>&1 || { tail -n 30 "$outdir/build.log"; exit 1; }
+echo "ci/gpu.sh: configure + build took $(( $(date +%s) - t0 )) s"
 
 status=0
 ctest --preset cuda -j 8 > "$outdir/ctest.log" 2>&1 || status=$?
-tail -n 25 "$outdir/ctest.log"
+grep -E "tests passed|Failed|Skipped" "$outdir/ctest.log" | tail -n 12
 for label in cpu cuda multigpu; do
-  ran=$(grep -c "Test *#[0-9]*: $label\." "$outdir/ctest.log" || true)
-  passed=$(grep -E "Test *#[0-9]*: $label\..*Passed" -c "$outdir/ctest.log" || true)
-  echo "label $label: $passed passed of $ran"
+  ran=$(grep -cE "Test +#[0-9]+: $label\." "$outdir/ctest.log" || true)
+  passed=$(grep -cE "Test +#[0-9]+: $label\..*Passed" "$outdir/ctest.log" || true)
+  skipped=$(grep -cE "Test +#[0-9]+: $label\..*Skipped" "$outdir/ctest.log" || true)
+  echo "label $label: $passed passed, $skipped skipped, of $ran"
 done | tee "$outdir/labels.txt"
-t2=$(date +%s)
-echo "ci/gpu.sh: tests took $((t2 - t1)) s"
 
-./build/cuda/bench/strata_compare --device=cuda:0 2>&1 | tee "$outdir/compare.txt" || status=1
+echo "ci/gpu.sh: benchmark matrix"
+./build/cuda/bench/strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-} \
+  --benchmark_out="$outdir/bench.json" --benchmark_out_format=json > "$outdir/bench.txt" 2>&1 || status=1
+tail -n 20 "$outdir/bench.txt"
+offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
+echo "ci/gpu.sh: PyTorch peers"
+PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --offload-py="$offload_py" \
+  --steps=3 --out="$outdir/peers.json" 2>&1 | tee "$outdir/peers.txt" || true
+python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
+  --machine "$gpu_name" --command "bash ci/gpu.sh  # strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-}; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3" || status=1
+
+# The gate: against the committed baseline for this GPU, when there is one.
+baseline="reports/baselines/$gpu_key.json"
+if [ -f "$baseline" ]; then
+  python3 ci/gate.py "$outdir/bench.json" "$baseline" | tee "$outdir/gate.txt" || status=1
+else
+  echo "ci/gpu.sh: no $baseline yet; this run's bench.json is a candidate for it" | tee "$outdir/gate.txt"
+fi
+# Self-test of the gate: it passes on the run itself and fails on a baseline claiming 20% more
+# throughput for one cell.
+python3 ci/gate.py "$outdir/bench.json" "$outdir/bench.json" > "$outdir/gate_self.txt" || { echo "gate self-test: FAILED on itself"; status=1; }
+python3 - "$outdir/bench.json" "$outdir/doctored.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+cell = next(b for b in doc["benchmarks"] if not b.get("error_occurred"))
+cell["items_per_second"] *= 1.2
+json.dump(doc, open(sys.argv[2], "w"))
+print("doctored baseline: +20% throughput for", cell["name"])
+PY
+if python3 ci/gate.py "$outdir/bench.json" "$outdir/doctored.json" > "$outdir/gate_doctored.txt"; then
+  echo "gate self-test: the doctored baseline PASSED — the gate is broken"; status=1
+else
+  echo "gate self-test: passes on itself, fails on the doctored baseline:"; grep -A3 "gate: FAIL" "$outdir/gate_doctored.txt"
+fi
 exit $status

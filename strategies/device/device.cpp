@@ -275,6 +275,29 @@ void Stream::compute_point() { impl_->delay(injected_delays().compute); }
 Stream::Guard::Guard(const Stream& stream) : state_(stream.impl()->make_current()) {}
 Stream::Guard::~Guard() = default;
 
+Stopwatch::Stopwatch(const torch::Device& device) : device_(device) {}
+
+void Stopwatch::start() {
+  if (device_.is_cuda()) {
+    start_ = detail::cuda_timing_event(device_);
+  } else {
+    host_start_ = std::chrono::steady_clock::now();
+  }
+}
+
+void Stopwatch::stop() {
+  if (device_.is_cuda()) {
+    stop_ = detail::cuda_timing_event(device_);
+  } else {
+    host_stop_ = std::chrono::steady_clock::now();
+  }
+}
+
+double Stopwatch::elapsed_ms() {
+  if (device_.is_cuda()) return detail::cuda_elapsed_ms(start_, stop_);
+  return std::chrono::duration<double, std::milli>(host_stop_ - host_start_).count();
+}
+
 #ifndef STRATA_WITH_CUDA
 namespace detail {
 // This LibTorch has no CUDA; check_available() has already refused any CUDA device.
@@ -285,6 +308,8 @@ std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& d) { return cu
 AllocatorStats cuda_allocator_stats(const torch::Device&) { return {}; }
 void cuda_reset_peak_stats(const torch::Device&) {}
 void cuda_release_cached_memory(const torch::Device&) {}
+std::shared_ptr<void> cuda_timing_event(const torch::Device& d) { return cuda_compute_stream(d); }
+double cuda_elapsed_ms(const std::shared_ptr<void>&, const std::shared_ptr<void>&) { return 0.0; }
 void cuda_synchronize(const torch::Device&) {}
 }  // namespace detail
 #endif

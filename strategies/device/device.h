@@ -137,6 +137,22 @@ class Stream {
   std::shared_ptr<StreamImpl> impl_;
 };
 
+/// Times device work: CUDA events on the compute stream (so queued work counts, and a host stall
+/// shows as an idle device), a host clock after synchronising on the CPU.
+class Stopwatch {
+ public:
+  explicit Stopwatch(const torch::Device& device);
+  void start();
+  void stop();
+  /// Milliseconds between start() and stop(); waits for the stop to complete.
+  double elapsed_ms();
+
+ private:
+  torch::Device device_;
+  std::shared_ptr<void> start_, stop_;
+  std::chrono::steady_clock::time_point host_start_, host_stop_;
+};
+
 // Implementation interfaces (device.cpp for the CPU, device_cuda.cpp for CUDA).
 class EventImpl {
  public:
@@ -165,6 +181,8 @@ AllocatorStats cuda_allocator_stats(const torch::Device& device);
 void cuda_reset_peak_stats(const torch::Device& device);
 void cuda_release_cached_memory(const torch::Device& device);
 void cuda_synchronize(const torch::Device& device);
+std::shared_ptr<void> cuda_timing_event(const torch::Device& device);
+double cuda_elapsed_ms(const std::shared_ptr<void>& start, const std::shared_ptr<void>& stop);
 }  // namespace detail
 
 }  // namespace strata::device

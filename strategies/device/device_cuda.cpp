@@ -98,6 +98,19 @@ void cuda_release_cached_memory(const torch::Device& device) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+std::shared_ptr<void> cuda_timing_event(const torch::Device& device) {
+  auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);  // with timing
+  event->record(c10::cuda::getCurrentCUDAStream(device.index()));
+  return event;
+}
+
+double cuda_elapsed_ms(const std::shared_ptr<void>& start, const std::shared_ptr<void>& stop) {
+  auto& a = *static_cast<at::cuda::CUDAEvent*>(start.get());
+  auto& b = *static_cast<at::cuda::CUDAEvent*>(stop.get());
+  b.synchronize();
+  return a.elapsed_time(b);
+}
+
 void cuda_synchronize(const torch::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();

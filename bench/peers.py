@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""PyTorch's own equivalents of strata's strategies, timed on the same GPT in the same JSON shape
+as strata_bench (Google Benchmark's), so the report can show strata's figures as ratios to them.
+
+Peers: the all-GPU baseline (plain and with per-block checkpointing), FSDP2 with CPUOffloadPolicy
+at world size 1, and seed 003's offload.py (given by path, never copied; it needs per-block
+checkpointing). For the offloading peers it also counts the offloaded blocks' parameters still on
+the GPU after a step.
+
+  python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+# Same sizes as strata's presets (models/model.cpp).
+PRESETS = {
+    "gpt-tiny": dict(depth=2, width=32, heads=4, vocab=64, seq_len=8, batch=4),
+    "gpt-small": dict(depth=4, width=256, heads=4, vocab=4096, seq_len=128, batch=8),
+    "gpt-medium": dict(depth=8, width=1024, heads=16, vocab=32000, seq_len=512, batch=8),
+    "gpt-871m": dict(depth=16, width=2048, heads=16, vocab=32000, seq_len=1024, batch=8),
+}
+
+
+def sinusoidal(T, d, device, dtype):
+    pos = torch.arange(T, device=device, dtype=dtype).unsqueeze(1)
+    i = torch.arange(d, device=device, dtype=dtype).unsqueeze(0)
+    angle = pos / torch.pow(10000.0, (2.0 * torch.floor(i / 2.0)) / d)
+    even = (torch.arange(d, device=device) % 2) == 0
+    return torch.where(even, torch.sin(angle), torch.cos(angle))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.tokens = nn.Parameter(torch.empty(vocab, width).normal_(0, 0.02))
+
+    def forward(self, idx):
+        x = F.embedding(idx, self.tokens)
+        return x + sinusoidal(idx.shape[1], self.tokens.shape[1], x.device, x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, width, weight):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.weight = weight  # tied: the embedding's Parameter
+
+    def forward(self, x):
+        return self.norm(x) @ self.weight.t()
+
+
+class GPT(nn.Module):
+    def __init__(self, c, checkpoint):
+        super().__init__()
+        self.embedding = Embedding(c["vocab"], c["width"])
+        self.blocks = nn.ModuleList(Block(c["width"], c["heads"]) for _ in range(c["depth"]))
+        self.head = Head(c["width"], self.embedding.tokens)
+        self.checkpoint = checkpoint
+
+    def forward(self, idx):
+        x = self.embedding(idx)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
+        return self.head(x)
+
+
+def timed_steps(model, opt, idx, target, steps, backward_ctx=None):
+    fb, op = [], []
+    for i in range(steps + 2):  # 2 warm-up steps, as strata_bench
+        if i == 2:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        e0.record()
+        loss = F.cross_entropy(model(idx).reshape(-1, model.embedding.tokens.shape[0]), target.reshape(-1))
+        if backward_ctx:
+            with backward_ctx():
+                loss.backward()
+        else:
+            loss.backward()
+        e1.record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        e2.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            fb.append(e0.elapsed_time(e1))
+            op.append(e1.elapsed_time(e2))
+    return fb, op
+
+
+def entry(name, c, fb, op, extra=None):
+    step = statistics.mean(fb) + statistics.mean(op)
+    items = c["batch"] * c["seq_len"]
+    out = {
+        "name": name,
+        "run_name": name,
+        "run_type": "iteration",
+        "iterations": len(fb),
+        "real_time": step,
+        "cpu_time": step,
+        "time_unit": "ms",
+        "fwd_bwd_ms": statistics.mean(fb),
+        "optimizer_ms": statistics.mean(op),
+        "items_per_second": items / (step / 1e3),
+        "peak_allocated_bytes": float(torch.cuda.max_memory_allocated()),
+        "peak_reserved_bytes": float(torch.cuda.max_memory_reserved()),
+        "parity_ok": 1,
+        "oom": 0,
+    }
+    out.update(extra or {})
+    return out
+
+
+def failed(name, message):
+    oom = "out of memory" in message.lower()
+    return {"name": name, "run_name": name, "run_type": "iteration", "error_occurred": True,
+            "error_message": "out of memory" if oom else message[:300], "oom": int(oom), "time_unit": "ms"}
+
+
+def batch(c, device):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(c["vocab"], (c["batch"], c["seq_len"] + 1), generator=g)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def on_device_count(modules):
+    n = 0
+    for m in modules:
+        for p in m.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.device.type == "cuda":
+                n += p.numel()
+    return n
+
+
+def run_peer(kind, c, steps, offload_py, model_name):
+    torch.manual_seed(0)
+    dev = torch.device("cuda:0")
+    idx, target = batch(c, dev)
+    name = f"{kind}/{model_name}"
+    torch.cuda.empty_cache()
+    if kind in ("torch_baseline", "torch_checkpoint"):
+        model = GPT(c, checkpoint=kind == "torch_checkpoint").to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fb, op = timed_steps(model, opt, idx, target, steps)
+        return entry(name, c, fb, op)
+    if kind == "fsdp2_cpu_offload":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        model = GPT(c, checkpoint=True)
+        for b in model.blocks:
+            fully_shard(b, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fb, op = timed_steps(model, opt, idx, target, steps)
+        return entry(name, c, fb, op, {"offloaded_params_on_device": on_device_count(model.blocks),
+                                       "offloaded_params": sum(p.numel() for p in model.blocks.parameters())})
+    if kind == "seed_offload":
+        spec = importlib.util.spec_from_file_location("seed_offload", offload_py)
+        offload = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(offload)
+        model = GPT(c, checkpoint=True)  # the seed requires gradient checkpointing
+        model.embedding.to(dev)
+        model.head.norm.to(dev)
+        blocks = list(model.blocks)
+        offload.offload(*blocks[:-1])
+        offload.offload(blocks[-1], merge_forward_backward=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        fb, op = timed_steps(model, opt, idx, target, steps, backward_ctx=offload.backward)
+        return entry(name, c, fb, op, {"offloaded_params_on_device": on_device_count(blocks),
+                                       "offloaded_params": sum(p.numel() for b in blocks for p in b.parameters())})
+    raise ValueError(f"unknown peer {kind}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt-871m", choices=sorted(PRESETS))
+    ap.add_argument("--peers", default="torch_baseline,torch_checkpoint,fsdp2_cpu_offload,seed_offload")
+    ap.add_argument("--offload-py", help="path to seed 003's offload.py (needed by the seed_offload peer)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("peers.py: needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    c = PRESETS[args.model]
+    results = []
+    for kind in args.peers.split(","):
+        if kind == "seed_offload" and not (args.offload_py and os.path.exists(args.offload_py)):
+            results.append(failed(f"{kind}/{args.model}", f"--offload-py not given or missing: {args.offload_py}"))
+            continue
+        print(f"peers.py: {kind} on {args.model}", file=sys.stderr, flush=True)
+        t0 = time.time()
+        try:
+            results.append(run_peer(kind, c, args.steps, args.offload_py, args.model))
+            r = results[-1]
+            print(f"peers.py: {kind}: {r['real_time']:.1f} ms/step, peak {r['peak_allocated_bytes'] / 2**30:.2f} GiB"
+                  f" ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        except Exception as e:  # an out-of-memory or a broken peer is a result; the others still run
+            results.append(failed(f"{kind}/{args.model}", f"{type(e).__name__}: {e}"))
+            print(f"peers.py: {kind} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(args.out, "w") as f:
+        json.dump({"context": context, "benchmarks": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+// strata_bench: the benchmark matrix. One Google Benchmark per registered strategy x model preset,
+// each of which checks parity on a small batch first and refuses to time a strategy that fails it.
+// Formulas of every counter: bench/METRICS.md.
+//
+//   strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N]
+//                [--peak-tflops=X] [--optimizer=adamw|sgd] [Google Benchmark flags, e.g.
+//                --benchmark_out=out.json --benchmark_out_format=json]
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include "bench/common.h"
+#include "models/check.h"
+#include "strategies/device/device.h"
+#include "strategies/strategy.h"
+
+namespace strata::bench {
+namespace {
+
+struct Settings {
+  torch::Device device{torch::kCPU};
+  std::vector<std::string> models;
+  std::vector<std::string> strategies;
+  int steps = 5;
+  double peak_tflops = 0;  ///< 0: measured once at start
+  OptimizerKind optimizer = OptimizerKind::adamw;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+// Dense fp32 matmul rate (TF32 where enabled) on the device: the denominator of MFU.
+double measure_peak_tflops(const torch::Device& device) {
+  const int64_t n = device.is_cuda() ? 8192 : 1024;
+  auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
+  auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
+  for (int i = 0; i < 3; ++i) torch::mm(a, b);
+  device::Stopwatch watch(device);
+  const int reps = device.is_cuda() ? 20 : 3;
+  device::synchronize(device);
+  watch.start();
+  for (int i = 0; i < reps; ++i) torch::mm(a, b);
+  watch.stop();
+  const double seconds = watch.elapsed_ms() / 1e3;
+  return 2.0 * n * n * n * reps / seconds / 1e12;
+}
+
+// Host-to-device bandwidth from pinned memory (1 GiB copies): the link the report compares with.
+double measure_h2d_gbps(const torch::Device& device) {
+  if (!device.is_cuda()) return 0.0;
+  const int64_t bytes = int64_t{1} << 30;
+  auto host = device::host_buffer({bytes}, torch::kByte, device);
+  auto dev = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kByte).device(device));
+  dev.copy_(host, true);
+  device::Stopwatch watch(device);
+  watch.start();
+  for (int i = 0; i < 5; ++i) dev.copy_(host, true);
+  watch.stop();
+  return 5.0 * bytes / (watch.elapsed_ms() / 1e3) / 1e9;
+}
+
+bool is_oom(const std::string& what) { return what.find("out of memory") != std::string::npos; }
+
+void run_cell(benchmark::State& state, const Settings& settings, const std::string& strategy_name,
+              const models::Preset& preset, int index, int total) {
+  std::fprintf(stderr, "[%d/%d] %s on %s: parity check\n", index, total, strategy_name.c_str(), preset.name.c_str());
+  const auto parity = check_before_timing(strategy_name, preset.config, {}, settings.device);
+  if (!parity.ok) {
+    state.SkipWithError(("parity failed, not timed: " + parity.message).c_str());
+    state.counters["parity_ok"] = 0;
+    for (auto _ : state) {
+    }
+    return;
+  }
+  state.counters["parity_ok"] = 1;
+  const auto& dev = settings.device;
+  try {
+    device::release_cached_memory(dev);  // what the previous cell cached is not this one's
+    StrategyConfig config;
+    config.device = dev;
+    config.optimizer.kind = settings.optimizer;
+    config.optimizer.lr = 1e-4;
+    auto strategy = Registry::create(strategy_name, config);
+    auto model = models::build_model(preset.config, 0);
+    const double items = static_cast<double>(model.items_per_batch(preset.batch_size));
+    const double flops_per_step = 3.0 * model.forward_flops_per_item() * items;  // forward + backward
+    strategy->attach(std::move(model));
+    const auto batch = models::make_batch(preset.config, preset.batch_size, 1);
+    std::fprintf(stderr, "[%d/%d] %s on %s: warm-up\n", index, total, strategy_name.c_str(), preset.name.c_str());
+    for (int i = 0; i < 2; ++i) {
+      strategy->train_step(batch);
+      strategy->optimizer_step();
+    }
+    device::synchronize(dev);
+    strategy->reset_stats();
+    double fb_ms = 0, opt_ms = 0;
+    int64_t steps = 0;
+    device::Stopwatch fb(dev), opt(dev);
+    for (auto _ : state) {
+      fb.start();
+      strategy->train_step(batch);
+      fb.stop();
+      opt.start();
+      strategy->optimizer_step();
+      opt.stop();
+      const double f = fb.elapsed_ms(), o = opt.elapsed_ms();
+      fb_ms += f;
+      opt_ms += o;
+      ++steps;
+      state.SetIterationTime((f + o) / 1e3);
+    }
+    const auto stats = strategy->stats();
+    int64_t peak = 0, reserved = 0;
+    for (const auto& [name, mem] : stats.devices) {
+      peak = std::max(peak, mem.peak_allocated);
+      reserved = std::max(reserved, mem.peak_reserved);
+    }
+    const double step_s = (fb_ms + opt_ms) / 1e3 / steps;
+    using benchmark::Counter;
+    state.counters["items_per_second"] = Counter(items * steps, Counter::kIsRate);
+    state.counters["fwd_bwd_ms"] = fb_ms / steps;
+    state.counters["optimizer_ms"] = opt_ms / steps;
+    state.counters["peak_allocated_bytes"] = static_cast<double>(peak);
+    state.counters["peak_reserved_bytes"] = static_cast<double>(reserved);
+    state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;
+    state.counters["d2h_bytes_per_step"] = static_cast<double>(stats.bytes_d2h) / steps;
+    state.counters["interconnect_bytes_per_step"] = static_cast<double>(stats.bytes_interconnect) / steps;
+    state.counters["h2d_GBps"] = static_cast<double>(stats.bytes_h2d) / steps / step_s / 1e9;
+    state.counters["mfu"] = flops_per_step / step_s / (settings.peak_tflops * 1e12);
+    state.counters["oom"] = 0;
+    std::fprintf(stderr, "[%d/%d] %s on %s: %.1f ms/step\n", index, total, strategy_name.c_str(), preset.name.c_str(),
+                 step_s * 1e3);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    // Out of memory is a result, not a failure of the run: recorded, and the matrix goes on.
+    state.counters["oom"] = is_oom(what) ? 1 : 0;
+    state.SkipWithError(is_oom(what) ? "out of memory" : what.substr(0, 300).c_str());
+    std::fprintf(stderr, "[%d/%d] %s on %s: %s\n", index, total, strategy_name.c_str(), preset.name.c_str(),
+                 is_oom(what) ? "out of memory" : "error");
+  }
+}
+
+int run(int argc, char** argv) {
+  Settings s;
+  s.device = device::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const std::string& key) -> std::optional<std::string> {
+      const auto prefix = "--" + key + "=";
+      if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
+      return std::nullopt;
+    };
+    if (auto v = value("device")) s.device = device::parse(*v);
+    else if (auto v = value("models")) s.models = split(*v);
+    else if (auto v = value("strategies")) s.strategies = split(*v);
+    else if (auto v = value("steps")) s.steps = std::stoi(*v);
+    else if (auto v = value("peak-tflops")) s.peak_tflops = std::stod(*v);
+    else if (auto v = value("optimizer")) s.optimizer = parse_optimizer_kind(*v);
+    else rest.push_back(argv[i]);
+  }
+  STRATA_CHECK(s.steps >= 1, "--steps=" << s.steps << " must be at least 1");
+  if (s.models.empty())
+    s.models = s.device.is_cuda() ? std::vector<std::string>{"gpt-medium", "gpt-871m"}
+                                  : std::vector<std::string>{"mlp-tiny", "gpt-tiny", "bert-tiny"};
+  if (s.strategies.empty()) s.strategies = Registry::names();
+  for (const auto& m : s.models) models::preset(m);           // unknown names fail before any work
+  for (const auto& st : s.strategies) Registry::description(st);
+  at::globalContext().setAllowTF32CuBLAS(true);
+  at::globalContext().setAllowTF32CuDNN(true);
+  if (s.peak_tflops <= 0) s.peak_tflops = measure_peak_tflops(s.device);
+  const double link = measure_h2d_gbps(s.device);
+  std::fprintf(stderr, "device %s: peak %.1f TFLOP/s (matmul, measured or given), H2D %.1f GB/s pinned\n",
+               s.device.str().c_str(), s.peak_tflops, link);
+  benchmark::AddCustomContext("strata_device", s.device.str());
+  benchmark::AddCustomContext("peak_tflops", std::to_string(s.peak_tflops));
+  benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
+  benchmark::AddCustomContext("torch_version", TORCH_VERSION);
+
+  int argc2 = static_cast<int>(rest.size());
+  benchmark::Initialize(&argc2, rest.data());
+  const int total = static_cast<int>(s.models.size() * s.strategies.size());
+  int index = 0;
+  for (const auto& m : s.models) {
+    const auto preset = models::preset(m);
+    for (const auto& st : s.strategies) {
+      ++index;
+      benchmark::RegisterBenchmark((st + "/" + m).c_str(),
+                                   [s, st, preset, index, total](benchmark::State& state) {
+                                     run_cell(state, s, st, preset, index, total);
+                                   })
+          ->UseManualTime()
+          ->Iterations(s.steps)
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) {
+  try {
+    return strata::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "strata_bench: " << e.what() << std::endl;
+    return 2;
+  }
+}

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Turns strata_bench JSON (and optionally bench/peers.py JSON) into a Markdown report with PNG
+plots for one machine: throughput and peak memory per strategy and model, the memory-vs-speed
+trade-off, achieved host-to-device bandwidth against the link, and strata's figures as ratios to
+PyTorch's own equivalents measured in the same run.
+
+  python3 reports/make_report.py --strata bench.json [--peers peers.json] --out reports/h200 \
+      [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
+"""
+import argparse
+import json
+import os
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+GIB = 1024 ** 3
+
+
+def load(path, source):
+    with open(path) as f:
+        doc = json.load(f)
+    rows = []
+    for b in doc.get("benchmarks", []):
+        name = re.sub(r"/iterations:\d+|/manual_time|/real_time", "", b["name"])
+        strategy, _, model = name.partition("/")
+        r = dict(b)
+        r.update(strategy=strategy, model=model, source=source, key=name)
+        r["failed"] = bool(b.get("error_occurred"))
+        rows.append(r)
+    return doc.get("context", {}), rows
+
+
+def fmt(x, spec=".1f"):
+    return "—" if x is None else format(x, spec)
+
+
+def status(r):
+    if not r["failed"]:
+        return "ok"
+    msg = r.get("error_message", "error")
+    if "out of memory" in msg:
+        return "OOM"
+    return "parity FAIL" if "parity" in msg else "error"
+
+
+def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == model and not r["failed"] and r.get(value) is not None]
+        names = [r["strategy"] for r in rs]
+        vals = [r[value] * scale for r in rs]
+        colors = ["#4c72b0" if r["source"] == "strata" else "#dd8452" for r in rs]
+        ax.barh(names, vals, color=colors)
+        ax.set_title(model)
+        ax.set_xlabel(ylabel)
+        ax.invert_yaxis()
+    fig.suptitle(title + "  (blue: strata, orange: PyTorch peers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strata", required=True)
+    ap.add_argument("--peers")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--machine", default="")
+    ap.add_argument("--command", default="")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    context, rows = load(args.strata, "strata")
+    peer_context = {}
+    if args.peers and os.path.exists(args.peers):
+        peer_context, peer_rows = load(args.peers, "peer")
+        rows += peer_rows
+    models = sorted({r["model"] for r in rows}, key=lambda m: [r["model"] for r in rows].index(m))
+    link = float(context.get("h2d_link_GBps", 0) or 0)
+    peak = float(context.get("peak_tflops", 0) or 0)
+
+    out = []
+    out.append(f"# strata report: {args.machine or context.get('strata_device', '')}\n")
+    if args.command:
+        out.append(f"Produced by:\n\n```sh\n{args.command}\n```\n")
+    out.append(f"Device {context.get('strata_device', '?')}, LibTorch {context.get('torch_version', '?')}, "
+               f"measured dense matmul peak {peak:.3g} TFLOP/s, pinned host-to-device link {link:.1f} GB/s, "
+               f"{context.get('date', '')}. Counters and formulas: bench/METRICS.md. Peers: PyTorch "
+               f"{peer_context.get('torch_version', '—')} on the same model and batch.\n")
+    for model in models:
+        rs = [r for r in rows if r["model"] == model]
+        base = {r["strategy"]: r for r in rs if r["source"] == "peer" and not r["failed"]}
+        out.append(f"\n## {model}\n")
+        head = ("| strategy | | step ms | fwd+bwd ms | optim ms | items/s | peak alloc GiB | peak reserved GiB | "
+                "H2D GB/step | D2H GB/step | H2D GB/s | MFU |")
+        peers_cols = [p for p in ("torch_baseline", "torch_checkpoint", "fsdp2_cpu_offload") if p in base]
+        for p in peers_cols:
+            head += f" step / {p} | peak / {p} |"
+        out.append(head)
+        out.append("|" + "---|" * (head.count("|") - 1))
+        for r in rs:
+            if r["failed"]:
+                out.append(f"| {r['strategy']} ({r['source']}) | {status(r)} |" + " |" * (head.count("|") - 3))
+                continue
+            line = (f"| {r['strategy']}{'' if r['source'] == 'strata' else ' (peer)'} | ok | {fmt(r.get('real_time'))} | "
+                    f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('optimizer_ms'))} | {fmt(r.get('items_per_second'), '.0f')} | "
+                    f"{fmt(r.get('peak_allocated_bytes', 0) / GIB, '.2f')} | {fmt(r.get('peak_reserved_bytes', 0) / GIB, '.2f')} | "
+                    f"{fmt((r.get('h2d_bytes_per_step') or 0) / 1e9, '.2f')} | {fmt((r.get('d2h_bytes_per_step') or 0) / 1e9, '.2f')} | "
+                    f"{fmt(r.get('h2d_GBps'))} | {fmt(r.get('mfu'), '.2f')} |")
+            for p in peers_cols:
+                line += (f" {r['real_time'] / base[p]['real_time']:.2f} | "
+                         f"{r['peak_allocated_bytes'] / max(base[p]['peak_allocated_bytes'], 1):.2f} |")
+            out.append(line)
+        offl = [r for r in rs if "offloaded_params_on_device" in r]
+        if offl:
+            out.append("\nOffloaded parameters left on the GPU after a step (peers):\n")
+            out.append("| peer | offloaded parameters | still on the GPU |\n|---|---:|---:|")
+            for r in offl:
+                out.append(f"| {r['strategy']} | {r.get('offloaded_params', 0):,} | {r['offloaded_params_on_device']:,} |")
+    bar_chart(rows, models, "items_per_second", "items/s", "Throughput", os.path.join(args.out, "throughput.png"))
+    bar_chart(rows, models, "peak_allocated_bytes", "GiB", "Peak allocated device memory",
+              os.path.join(args.out, "memory.png"), 1.0 / GIB)
+    # Memory against speed: lower-left is better.
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in rows:
+            if r["model"] != model or r["failed"]:
+                continue
+            ax.scatter(r["real_time"], r["peak_allocated_bytes"] / GIB, c="#4c72b0" if r["source"] == "strata" else "#dd8452")
+            ax.annotate(r["strategy"], (r["real_time"], r["peak_allocated_bytes"] / GIB), fontsize=7)
+        ax.set_xlabel("step ms")
+        ax.set_ylabel("peak allocated GiB")
+        ax.set_title(model)
+    fig.suptitle("Memory against speed (lower left is better)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "tradeoff.png"), dpi=110)
+    plt.close(fig)
+    # Achieved H2D bandwidth of the strategies that move bytes, against the link.
+    moving = [r for r in rows if not r["failed"] and (r.get("h2d_GBps") or 0) > 0.01]
+    if moving:
+        fig, ax = plt.subplots(figsize=(7, 0.45 * len(moving) + 1.5))
+        labels = [f"{r['strategy']} / {r['model']}" for r in moving]
+        ax.barh(labels, [r["h2d_GBps"] for r in moving], color="#4c72b0")
+        if link:
+            ax.axvline(link, color="red", linestyle="--", label=f"pinned link {link:.1f} GB/s")
+            ax.legend()
+        ax.set_xlabel("GB/s host-to-device, averaged over a whole training step")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bandwidth.png"), dpi=110)
+        plt.close(fig)
+    out.append("\n## Plots\n")
+    for png, title in (("throughput.png", "Throughput"), ("memory.png", "Peak memory"),
+                       ("tradeoff.png", "Memory against speed"), ("bandwidth.png", "Achieved H2D bandwidth")):
+        if os.path.exists(os.path.join(args.out, png)):
+            out.append(f"![{title}]({png})\n")
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write("\n".join(out) + "\n")
+    print(f"make_report.py: wrote {os.path.join(args.out, 'report.md')}")
+
+
+if __name__ == "__main__":
+    main()
