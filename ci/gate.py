@@ -54,7 +54,7 @@ def main():
     # Google Benchmark's own comparison, for the time columns, where it is installed.
     tool = os.environ.get("BENCHMARK_COMPARE")
     if tool and os.path.exists(tool):
-        subprocess.run([sys.executable, tool, "benchmarks", args.baseline, args.current], check=False)
+        subprocess.run([sys.executable, tool, "--no-color", "benchmarks", args.baseline, args.current], check=False)
     if failures:
         print("\ngate: FAIL")
         for f in failures:
