@@ -68,7 +68,10 @@ double measure_h2d_gbps(const torch::Device& device) {
   return 5.0 * bytes / (watch.elapsed_ms() / 1e3) / 1e9;
 }
 
-bool is_oom(const std::string& what) { return what.find("out of memory") != std::string::npos; }
+// CUDA's caching allocator says "out of memory"; the CPU allocator "can't allocate memory".
+bool is_oom(const std::string& what) {
+  return what.find("out of memory") != std::string::npos || what.find("can't allocate memory") != std::string::npos;
+}
 
 void run_cell(benchmark::State& state, const Settings& settings, const std::string& strategy_name,
               const models::Preset& preset, int index, int total) {
