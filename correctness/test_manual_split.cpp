@@ -227,3 +227,25 @@ TEST(MultiGpu, prop_split_over_two_devices_matches_the_baseline) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+TEST(ManualSplit, weighing_memory_counts_activations) {
+  // A GPT whose logits dwarf its parameters: by parameter bytes the tied embedding and head weigh
+  // the same, by memory the head's logits put it in a stage of its own.
+  auto c = models::preset("gpt-tiny").config;
+  c.depth = 6;
+  c.width = 4;
+  c.heads = 1;
+  c.vocab = 512;
+  c.seq_len = 32;
+  auto by = [&](const std::string& weigh) {
+    auto s = make_split({{"stages", "2"}, {"weigh", weigh}});
+    s->attach(models::build_model(c, 0));
+    return s->balance();
+  };
+  EXPECT_EQ(by("memory").back(), 1) << "the head should stand alone";
+  EXPECT_GT(by("params").back(), 1);
+}
+}  // namespace
+}  // namespace strata

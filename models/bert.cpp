@@ -20,6 +20,7 @@ class BertEmbedding : public Block {
     auto x = torch::embedding(tokens_, idx) + positions_.index({Slice(0, idx.size(1))});
     return norm_->forward(x);
   }
+  int64_t activation_bytes(int64_t batch) const override { return batch * positions_.numel() * 2 * 4; }
 
  private:
   torch::Tensor tokens_, positions_;
@@ -47,6 +48,8 @@ class Classifier : public Block, public LinearHead {
     bias_ = register_parameter("bias", torch::empty({classes}));
   }
   torch::Tensor forward(const torch::Tensor& x) override { return torch::nn::functional::linear(x, weight_, bias_); }
+  // Logits, log-probabilities and the logits' gradient.
+  int64_t activation_bytes(int64_t batch) const override { return batch * weight_.size(0) * 3 * 4; }
   torch::Tensor features(const torch::Tensor& x) override { return x; }
   torch::Tensor weight() const override { return weight_; }
   torch::Tensor bias() const override { return bias_; }
@@ -62,7 +65,11 @@ std::vector<std::shared_ptr<Block>> build_bert_blocks(const ModelConfig& c) {
   std::vector<std::shared_ptr<Block>> blocks;
   blocks.push_back(std::make_shared<BertEmbedding>(c.vocab, c.seq_len, c.width));
   for (int64_t i = 0; i < c.depth; ++i)
-    blocks.push_back(std::make_shared<TransformerBlock>(c.width, c.heads, /*causal=*/false, /*pre_norm=*/false));
+  {
+    auto block = std::make_shared<TransformerBlock>(c.width, c.heads, /*causal=*/false, /*pre_norm=*/false);
+    block->set_sequence_length(c.seq_len);
+    blocks.push_back(block);
+  }
   blocks.push_back(std::make_shared<BertPooler>(c.width));
   blocks.push_back(std::make_shared<Classifier>(c.width, c.classes));
   return blocks;

@@ -27,6 +27,8 @@ class GptEmbedding : public Block {
     return x + sinusoidal_positions(idx.size(1), tokens_.size(1), x.options());
   }
   const torch::Tensor& token_weight() const { return tokens_; }
+  int64_t activation_bytes(int64_t batch) const override { return batch * seq_len_ * tokens_.size(1) * 4; }
+  int64_t seq_len_ = 1;
 
  private:
   torch::Tensor tokens_;
@@ -44,6 +46,11 @@ class GptHead : public Block, public LinearHead {
     return torch::matmul(norm_->forward(x), weight_.t());
   }
   torch::Tensor features(const torch::Tensor& x) override { return norm_->forward(x); }
+  // The normed input, then logits, log-probabilities and the logits' gradient over the vocabulary.
+  int64_t activation_bytes(int64_t batch) const override {
+    return batch * seq_len_ * (weight_.size(1) + 3 * weight_.size(0)) * 4;
+  }
+  int64_t seq_len_ = 1;
   torch::Tensor weight() const override { return weight_; }
   torch::Tensor bias() const override { return {}; }
 
@@ -58,11 +65,17 @@ namespace detail {
 std::vector<std::shared_ptr<Block>> build_gpt_blocks(const ModelConfig& c) {
   std::vector<std::shared_ptr<Block>> blocks;
   auto embedding = std::make_shared<GptEmbedding>(c.vocab, c.width);
+  embedding->seq_len_ = c.seq_len;
   blocks.push_back(embedding);
-  for (int64_t i = 0; i < c.depth; ++i)
-    blocks.push_back(std::make_shared<TransformerBlock>(c.width, c.heads, /*causal=*/true, /*pre_norm=*/true));
+  for (int64_t i = 0; i < c.depth; ++i) {
+    auto block = std::make_shared<TransformerBlock>(c.width, c.heads, /*causal=*/true, /*pre_norm=*/true);
+    block->set_sequence_length(c.seq_len);
+    blocks.push_back(block);
+  }
   auto head_weight = c.tied ? embedding->token_weight() : torch::empty({c.vocab, c.width});
-  blocks.push_back(std::make_shared<GptHead>(c.width, head_weight));
+  auto head = std::make_shared<GptHead>(c.width, head_weight);
+  head->seq_len_ = c.seq_len;
+  blocks.push_back(head);
   return blocks;
 }
 }  // namespace detail

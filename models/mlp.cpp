@@ -10,6 +10,7 @@ class Dense : public Block {
   Dense(int64_t in, int64_t out) { linear_ = register_module("linear", torch::nn::Linear(in, out)); }
   torch::Tensor forward(const torch::Tensor& x) override { return torch::gelu(linear_->forward(x)); }
   const torch::Tensor& weight() const { return linear_->weight; }
+  int64_t activation_bytes(int64_t batch) const override { return batch * linear_->weight.size(0) * 2 * 4; }
 
  private:
   torch::nn::Linear linear_{nullptr};
@@ -30,6 +31,7 @@ class Output : public Block, public LinearHead {
   // Tied, the stored weight is the input layer's [width, in_features]; as a head it is its transpose.
   torch::Tensor weight() const override { return tied_ ? weight_.t() : weight_; }
   torch::Tensor bias() const override { return bias_; }
+  int64_t activation_bytes(int64_t batch) const override { return batch * bias_.numel() * 3 * 4; }
 
  private:
   bool tied_;

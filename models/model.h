@@ -39,6 +39,9 @@ class Block : public torch::nn::Module {
  public:
   using torch::nn::Module::Module;
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  /// Estimate of the bytes this block keeps for backward (its saved activations, and for a head
+  /// the loss's logits and their gradient) for a batch of `batch` samples; used to balance stages.
+  virtual int64_t activation_bytes(int64_t batch) const { return 0; }
 };
 
 /// A last block whose output is a linear map of features: logits = features(x) weight^T + bias,

@@ -5,7 +5,7 @@
 namespace strata::models {
 
 TransformerBlock::TransformerBlock(int64_t width, int64_t heads, bool causal, bool pre_norm)
-    : heads_(heads), causal_(causal), pre_norm_(pre_norm) {
+    : heads_(heads), width_(width), causal_(causal), pre_norm_(pre_norm) {
   namespace nn = torch::nn;
   ln1_ = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({width})));
   qkv_ = register_module("qkv", nn::Linear(width, 3 * width));

@@ -48,6 +48,7 @@ ManualSplitOptions ManualSplitOptions::parse(const std::map<std::string, std::st
   if (!devices.empty()) o.devices = split_list(devices);
   o.stages = reader.get_int("stages", o.stages);
   o.weigh = reader.get_string("weigh", o.weigh);
+  o.activation_batch = reader.get_int("activation_batch", o.activation_batch);
   o.classifier_shards = reader.get_int("classifier_shards", o.classifier_shards);
   o.sync_replicas = reader.get_bool("sync_replicas", o.sync_replicas);
   reader.finish();
@@ -62,6 +63,7 @@ void ManualSplitOptions::validate() const {
   STRATA_CHECK(stages >= 0, "manual_split: stages=" << stages << " must not be negative");
   STRATA_CHECK(weigh == "params" || weigh == "memory",
                "manual_split: weigh='" << weigh << "' is not valid; use params or memory");
+  STRATA_CHECK(activation_batch >= 1, "manual_split: activation_batch=" << activation_batch << " must be at least 1");
   STRATA_CHECK(classifier_shards >= 1, "manual_split: classifier_shards=" << classifier_shards << " must be at least 1");
   for (const auto& d : devices) {
     try {
@@ -142,12 +144,14 @@ void ManualSplit::attach(models::BlockModel model) {
   const auto& uses = model.block_parameters();
   if (options_.balance.empty()) {
     // Weigh each block by the bytes it holds: parameters (a tied one in every stage using it),
-    // and with weigh=memory also their gradients and optimizer state.
-    const double per_byte =
-        options_.weigh == "memory" ? (config_.optimizer.kind == OptimizerKind::adamw ? 4.0 : 3.0) : 1.0;
+    // and with weigh=memory also their gradients, optimizer state and the block's activations.
+    const bool memory = options_.weigh == "memory";
+    const double per_byte = memory ? (config_.optimizer.kind == OptimizerKind::adamw ? 4.0 : 3.0) : 1.0;
     std::vector<double> w(n, 0.0);
-    for (int64_t b = 0; b < n; ++b)
+    for (int64_t b = 0; b < n; ++b) {
       for (auto p : uses[b]) w[b] += per_byte * params[p].tensor.numel() * params[p].tensor.element_size();
+      if (memory) w[b] += static_cast<double>(model.blocks()[b]->activation_bytes(options_.activation_batch));
+    }
     balance_ = partition(w, stages);
   } else {
     balance_ = options_.balance;

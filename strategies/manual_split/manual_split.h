@@ -18,7 +18,8 @@ struct ManualSplitOptions {
   std::vector<int64_t> balance;        ///< blocks per stage; empty = automatic
   std::vector<std::string> devices;    ///< stage devices; empty = the config's devices, else `stages` x main device
   int64_t stages = 0;                  ///< stages on the main device when no devices are given (0: 2, or 1 for 1 block)
-  std::string weigh = "params";        ///< automatic balance by: params (parameter bytes) | memory (+ grads and optimizer state)
+  std::string weigh = "params";        ///< automatic balance by: params (parameter bytes) | memory (+ grads, optimizer state, activations)
+  int64_t activation_batch = 8;        ///< with weigh=memory: the batch size the activation estimate is for
   int64_t classifier_shards = 1;       ///< split the last block (a linear head) by output columns into this many shards
   bool sync_replicas = true;           ///< false skips the tied replicas' gradient sum and re-sync (to show the drift)
 
