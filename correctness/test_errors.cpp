@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "correctness/support/test_device.h"
+#include "correctness/support/errors.h"
 #include "models/check.h"
 #include "models/model.h"
 #include "strategies/device/device.h"
@@ -11,18 +12,7 @@
 namespace strata {
 namespace {
 
-// Runs `f`, expects a strata::Error, and returns its message.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("not a strata::Error: ") + e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 using ::testing::HasSubstr;
 

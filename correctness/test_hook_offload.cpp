@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "correctness/support/parity.h"
+#include "correctness/support/errors.h"
 #include "models/check.h"
 #include "correctness/support/test_device.h"
 #include "strategies/device/device.h"
@@ -218,14 +219,11 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 }
 
 TEST(HookOffload, bad_options_name_the_value) {
-  auto error_of = [](const std::map<std::string, std::string>& o, int64_t blocks = 0) -> std::string {
-    try {
+  auto error_of = [](const std::map<std::string, std::string>& o, int64_t blocks = 0) {
+    return test::error_of([&] {
       auto opts = HookOffloadOptions::parse(o);
       if (blocks) opts.validate_for(blocks);
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
+    });
   };
   using ::testing::HasSubstr;
   EXPECT_THAT(error_of({{"prefetch", "-1"}}), HasSubstr("prefetch=-1"));
@@ -248,5 +246,27 @@ TEST(HookOffload, overlapped_optimizer_refuses_gradient_accumulation) {
   }
 }
 
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+TEST(HookOffload, a_failed_step_leaves_nothing_held_and_the_next_step_works) {
+  // A target of the wrong size makes the loss throw (a host-side check, so also safe on CUDA)
+  // after every block's forward ran.
+  for (const char* overlap : {"0", "1"}) {
+    auto s = make_offload({{"overlap_optimizer", overlap}, {"activations", "keep"}});
+    const auto config = gpt(2, 8);
+    s->attach(models::build_model(config, 0));
+    auto bad = models::make_batch(config, 2, 1);
+    bad.target = torch::zeros({3}, torch::kLong);
+    EXPECT_THROW(s->train_step(bad), std::exception);
+    EXPECT_EQ(s->references_held(), 0) << "overlap=" << overlap;
+    EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "overlap=" << overlap;
+    const double loss = s->train_step(models::make_batch(config, 2, 1));
+    EXPECT_TRUE(std::isfinite(loss));
+    s->optimizer_step();
+  }
+}
 }  // namespace
 }  // namespace strata

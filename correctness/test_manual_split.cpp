@@ -7,6 +7,7 @@
 #include "correctness/support/generators.h"
 #include "correctness/support/parity.h"
 #include "correctness/support/test_device.h"
+#include "correctness/support/errors.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
 #include "strategies/manual_split/manual_split.h"
@@ -28,15 +29,7 @@ std::string devices(int n) {
   return out;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(ManualSplit, validation_names_the_bad_value) {
   const auto gpt = models::preset("gpt-tiny").config;  // 4 blocks

@@ -67,14 +67,17 @@ NamedTensors Baseline::gradients() {
   NamedTensors out;
   for (const auto& p : model().parameters()) {
     const auto& g = p.tensor.grad();
-    out.emplace_back(p.name, g.defined() ? g.detach().cpu() : torch::zeros_like(p.tensor, torch::kCPU));
+    // Copies, also on the CPU, where .cpu() would hand out the live tensor the next step changes.
+    out.emplace_back(p.name, g.defined() ? g.detach().to(torch::kCPU, false, /*copy=*/true)
+                                         : torch::zeros_like(p.tensor, torch::kCPU));
   }
   return out;
 }
 
 NamedTensors Baseline::parameters() {
   NamedTensors out;
-  for (const auto& p : model().parameters()) out.emplace_back(p.name, p.tensor.detach().cpu());
+  for (const auto& p : model().parameters())
+    out.emplace_back(p.name, p.tensor.detach().to(torch::kCPU, false, /*copy=*/true));
   return out;
 }
 

@@ -1,7 +1,5 @@
 #include "strategies/hook_offload/hook_offload.h"
 
-#include <torch/csrc/autograd/engine.h>
-
 #include <unordered_map>
 
 #include "models/check.h"
@@ -67,12 +65,16 @@ HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOff
 
 HookOffload::~HookOffload() {
   // Queued copies reference host and device buffers: let them finish first.
-  try {
-    host_.drain();
-    h2d_.synchronize();
-    d2h_.synchronize();
-  } catch (...) {
-  }
+  // Each on its own: a failed host task (rethrown by drain) must not skip the streams.
+  auto quietly = [](auto&& finish) {
+    try {
+      finish();
+    } catch (...) {
+    }
+  };
+  quietly([&] { host_.drain(); });
+  quietly([&] { h2d_.synchronize(); });
+  quietly([&] { d2h_.synchronize(); });
 }
 
 models::BlockModel& HookOffload::model() {
@@ -162,7 +164,10 @@ void HookOffload::attach(models::BlockModel model) {
 }
 
 void HookOffload::acquire(Unit& unit) {
-  if (unit.references++ > 0) return;
+  if (unit.references > 0) {
+    ++unit.references;
+    return;
+  }
   {
     // Allocate on the copy stream, which writes it first; compute marks its use (keep_alive), so
     // the caching allocator does not hand the memory out again before compute is done with it.
@@ -176,6 +181,7 @@ void HookOffload::acquire(Unit& unit) {
   }
   h2d_.copy(unit.device_flat, unit.host_param);
   unit.loaded = h2d_.record();
+  unit.references = 1;  // counted only once the memory exists (an allocation may throw)
   bytes_h2d_ += unit.bytes;
   resident_bytes_ += unit.bytes;
   peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
@@ -201,8 +207,16 @@ void HookOffload::hold_window(int64_t block) {
     releases_.front().synchronize();
     releases_.pop_front();
   }
+  const auto& window = windows_[block];
+  for (size_t i = 0; i < window.size(); ++i) {
+    try {
+      acquire(units_[window[i]]);
+    } catch (...) {
+      for (size_t j = 0; j < i; ++j) release(units_[window[j]]);  // all of the window or none of it
+      throw;
+    }
+  }
   held_[block] = true;
-  for (auto u : windows_[block]) acquire(units_[u]);
 }
 
 void HookOffload::drop_window(int64_t block) {
@@ -253,7 +267,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
     std::vector<torch::Tensor> parts;
     for (auto p : unit.params) {
       auto g = grad_of.at(params[p].tensor.unsafeGetTensorImpl());
-      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({params[p].tensor.numel()}, g.options()));
+      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({params[p].tensor.numel()}, params[p].tensor.options()));
     }
     // A fresh autograd result, read by the copy only; marked in use by the copy stream below.
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
@@ -305,11 +319,7 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
     } else {
       // Keep the block's own graph; its saved views of the parameters share the unit's storage,
       // so they see the data again once backward re-fetches it.
-      torch::AutoGradMode enable(true);
-      auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
-      auto y = module.forward(x_leaf);
-      self->kept_graphs()[block] = {torch::autograd::impl::gradient_edge(y), x_leaf};
-      out = y.detach();
+      std::tie(out, self->kept_graphs()[block]) = run_keeping_graph(module, x);
     }
     self->after_compute(block, /*backward=*/false);
     return out;
@@ -320,34 +330,17 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
     const auto block = ctx->saved_data["block"].toInt();
     auto& module = *self->model().blocks()[block];
     self->before_compute(block, /*backward=*/true);
-    torch::Tensor x_leaf;
-    torch::autograd::Edge output;
+    KeptGraph graph;
     if (self->recompute_block(block)) {
-      auto x = ctx->get_saved_variables()[0];
-      torch::AutoGradMode enable(true);
-      x_leaf = x.detach().requires_grad_(x.is_floating_point());
-      output = torch::autograd::impl::gradient_edge(module.forward(x_leaf));
+      graph = run_keeping_graph(module, ctx->get_saved_variables()[0]).second;
     } else {
-      auto& kept = self->kept_graphs()[block];
-      x_leaf = std::move(kept.input);
-      output = std::move(kept.output);
-      kept = {};
+      graph = std::move(self->kept_graphs()[block]);
+      self->kept_graphs()[block] = {};
     }
-    // Gradients of the block's input and parameters, returned rather than accumulated into .grad
-    // (what autograd::grad does, from an edge instead of the output tensor).
-    const bool needs_input_grad = x_leaf.requires_grad();
-    torch::autograd::edge_list wanted;
-    if (needs_input_grad) wanted.push_back(torch::autograd::impl::gradient_edge(x_leaf));
-    for (const auto& p : module.parameters()) wanted.push_back(torch::autograd::impl::gradient_edge(p));
-    auto grads = wanted.empty() ? torch::autograd::variable_list{}
-                                : torch::autograd::Engine::get_default_engine().execute(
-                                      {output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false,
-                                      /*accumulate_grad=*/false, wanted);
-    output = {};
-    std::vector<torch::Tensor> param_grads(grads.begin() + (needs_input_grad ? 1 : 0), grads.end());
-    self->flush_gradients(block, param_grads);
+    auto grads = block_gradients(std::move(graph), grad_out);
+    self->flush_gradients(block, grads.params);
     self->after_compute(block, /*backward=*/true);
-    return {torch::Tensor(), torch::Tensor(), needs_input_grad ? grads[0] : torch::Tensor(), torch::Tensor()};
+    return {torch::Tensor(), torch::Tensor(), grads.input, torch::Tensor()};
   }
 };
 
@@ -368,18 +361,34 @@ double HookOffload::train_step(const models::Batch& batch) {
     for (auto& unit : units_) unit.pending_users = unit.users;
     step_in_flight_ = true;
   }
-  auto x = batch.input.to(config_.device);
-  auto target = batch.target.to(config_.device);
-  bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
-  for (int64_t b = 0; b < m.num_blocks(); ++b) x = OffloadedBlock::apply(this, b, x, anchor_);
-  auto loss = m.loss(x, target);
-  x = torch::Tensor();
-  loss.backward();
-  // Whatever a failed or partial backward left held must not stay on the device.
-  for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
-  for (auto& kept : kept_) kept = {};
-  anchor_.mutable_grad() = torch::Tensor();
-  return loss.item<double>();
+  // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
+  // the strategy stays usable after an error such as running out of memory.
+  auto clean_up = [&](bool failed) {
+    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    for (auto& kept : kept_) kept = {};
+    anchor_.mutable_grad() = torch::Tensor();
+    if (failed) {
+      try {
+        host_.drain();
+      } catch (...) {  // the step's own error is the one to report
+      }
+      step_in_flight_ = false;
+    }
+  };
+  try {
+    auto x = batch.input.to(config_.device);
+    auto target = batch.target.to(config_.device);
+    bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
+    for (int64_t b = 0; b < m.num_blocks(); ++b) x = OffloadedBlock::apply(this, b, x, anchor_);
+    auto loss = m.loss(x, target);
+    x = torch::Tensor();
+    loss.backward();
+    clean_up(false);
+    return loss.item<double>();
+  } catch (...) {
+    clean_up(true);
+    throw;
+  }
 }
 
 torch::Tensor HookOffload::forward(const torch::Tensor& input) {
@@ -406,7 +415,9 @@ void HookOffload::optimizer_step() {
   }
   step_in_flight_ = false;
   for (auto& unit : units_) unit.grad_filled = false;
-  // Resident blocks compute from their device copy: bring it up to date.
+  // Resident blocks compute from their device copy: bring it up to date, after any compute still
+  // reading it (forward() does not synchronise).
+  h2d_.wait(compute_.record());
   for (auto& unit : units_) {
     if (unit.references == 0) continue;
     h2d_.copy(unit.device_flat, unit.host_param);

@@ -11,6 +11,7 @@
 #include <deque>
 #include <optional>
 
+#include "strategies/checkpoint.h"
 #include "strategies/device/device.h"
 #include "strategies/strategy.h"
 
@@ -58,12 +59,6 @@ class HookOffload : public Strategy {
   models::BlockModel& model();
   device::Stream& compute_stream() { return compute_; }
   bool recompute_block(int64_t block) const;
-  /// Kept-activation mode: the block's own graph, kept from forward to backward without its output
-  /// tensor (holding the output would keep e.g. the logits alive through the loss).
-  struct KeptGraph {
-    torch::autograd::Edge output;
-    torch::Tensor input;  ///< the detached input leaf
-  };
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
 
  private:
@@ -86,7 +81,7 @@ class HookOffload : public Strategy {
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
-  std::vector<KeptGraph> kept_;                           ///< block -> its kept graph (keep mode)
+  std::vector<KeptGraph> kept_;  ///< block -> its own graph from forward to backward (kept activations)
   std::deque<device::Event> releases_;  ///< compute events after windows were dropped, oldest first
   torch::Tensor anchor_;  ///< requires grad, so every block's output does (even from token ids)
   device::Stream compute_, h2d_, d2h_;

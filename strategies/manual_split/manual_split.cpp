@@ -1,7 +1,5 @@
 #include "strategies/manual_split/manual_split.h"
 
-#include <torch/csrc/autograd/engine.h>
-
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -226,6 +224,9 @@ void ManualSplit::attach(models::BlockModel model) {
   optimizer_state_.assign(params.size(), {});
   kept_.assign(n, {});
   model_.emplace(std::move(model));
+  STRATA_CHECK(!sharded() || replicas_of_block(last).empty(),
+               "manual_split: classifier_shards=" << options_.classifier_shards << " needs a head that shares no "
+                                                  << "parameter with another stage");
 }
 
 std::vector<ManualSplit::Replica*> ManualSplit::replicas_of_block(int64_t block) {
@@ -238,19 +239,17 @@ std::vector<ManualSplit::Replica*> ManualSplit::replicas_of_block(int64_t block)
 
 // The block computes with its replicas: the shared parameter's data is swapped for the replica's
 // for the duration of its forward (and backward, where autograd reads saved leaves).
-void ManualSplit::swap_in(int64_t block, std::vector<torch::Tensor>& saved) {
-  saved.clear();
-  for (auto* r : replicas_of_block(block)) {
-    auto t = model().parameters()[r->param].tensor;
-    saved.push_back(t.detach());
+ManualSplit::ReplicaSwap::ReplicaSwap(ManualSplit& split, int64_t block) : split_(split), block_(block) {
+  for (auto* r : split_.replicas_of_block(block_)) {
+    auto t = split_.model().parameters()[r->param].tensor;
+    saved_.push_back(t.detach());
     t.set_data(r->value.detach());
   }
 }
 
-void ManualSplit::swap_out(int64_t block, std::vector<torch::Tensor>& saved) {
-  auto replicas = replicas_of_block(block);
-  for (size_t i = 0; i < replicas.size(); ++i) model().parameters()[replicas[i]->param].tensor.set_data(saved[i]);
-  saved.clear();
+ManualSplit::ReplicaSwap::~ReplicaSwap() {
+  auto replicas = split_.replicas_of_block(block_);
+  for (size_t i = 0; i < saved_.size(); ++i) split_.model().parameters()[replicas[i]->param].tensor.set_data(saved_[i]);
 }
 
 namespace {
@@ -265,47 +264,33 @@ struct ReplicaBlock : torch::autograd::Function<ReplicaBlock> {
                                torch::Tensor anchor) {
     ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
     ctx->saved_data["block"] = block;
-    std::vector<torch::Tensor> saved;
-    self->swap_in(block, saved);
+    ManualSplit::ReplicaSwap swap(*self, block);
     torch::Tensor out;
-    {
-      torch::AutoGradMode enable(true);
-      auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
-      auto y = self->model().blocks()[block]->forward(x_leaf);
-      self->kept_graphs()[block] = {torch::autograd::impl::gradient_edge(y), x_leaf};
-      out = y.detach();
-    }
-    self->swap_out(block, saved);
+    std::tie(out, self->kept_graphs()[block]) = run_keeping_graph(*self->model().blocks()[block], x);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     auto* self = reinterpret_cast<ManualSplit*>(ctx->saved_data["self"].toInt());
     const auto block = ctx->saved_data["block"].toInt();
-    auto& kept = self->kept_graphs()[block];
-    auto x_leaf = std::move(kept.input);
-    auto output = std::move(kept.output);
-    kept = {};
+    auto graph = std::move(self->kept_graphs()[block]);
+    self->kept_graphs()[block] = {};
     auto params = self->model().blocks()[block]->parameters();
-    torch::autograd::edge_list wanted;
-    const bool needs_input_grad = x_leaf.requires_grad();
-    if (needs_input_grad) wanted.push_back(torch::autograd::impl::gradient_edge(x_leaf));
-    for (const auto& p : params) wanted.push_back(torch::autograd::impl::gradient_edge(p));
-    std::vector<torch::Tensor> saved;
-    self->swap_in(block, saved);
-    auto grads = torch::autograd::Engine::get_default_engine().execute(
-        {output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
-    self->swap_out(block, saved);
+    BlockGradients grads;
+    {
+      ManualSplit::ReplicaSwap swap(*self, block);  // autograd reads saved leaves: the replica again
+      grads = block_gradients(std::move(graph), grad_out);
+    }
     const auto replicas = self->replicas_of_block(block);
     const auto& all = self->model().parameters();
     for (size_t i = 0; i < params.size(); ++i) {
-      const auto& g = grads[i + (needs_input_grad ? 1 : 0)];
+      const auto& g = grads.params[i];
       ManualSplit::Replica* replica = nullptr;
       for (auto* r : replicas)
         if (all[r->param].tensor.unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl()) replica = r;
       accumulate(replica ? replica->value.mutable_grad() : params[i].mutable_grad(), g);
     }
-    return {torch::Tensor(), torch::Tensor(), needs_input_grad ? grads[0] : torch::Tensor(), torch::Tensor()};
+    return {torch::Tensor(), torch::Tensor(), grads.input, torch::Tensor()};
   }
 };
 
@@ -346,6 +331,8 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
     if (remote) bytes_interconnect_ += 2 * h.nbytes();  // features over, their gradient back
     auto z = torch::nn::functional::linear(h.to(s.device), s.weight, s.bias);
     maxima.push_back(std::get<0>(z.detach().max(1)).to(out_dev));
+    // Its maximum comes back; the global maximum and the targets go over.
+    if (remote) bytes_interconnect_ += rows * (2 * 4 + y.element_size());
     logits.push_back(z);
   }
   // The shift is gradient-neutral, so it is taken out of the graph.
@@ -374,15 +361,7 @@ torch::Tensor ManualSplit::run_blocks(torch::Tensor x, const torch::Tensor& targ
     const bool replicated = !replicas_of_block(b).empty();
     if (b == n - 1 && sharded()) {
       auto* head = dynamic_cast<models::LinearHead*>(m.blocks()[b].get());
-      torch::Tensor features;
-      if (replicated) {
-        std::vector<torch::Tensor> saved;  // a head that uses replicas for its features (tied norm)
-        swap_in(b, saved);
-        features = head->features(x);
-        swap_out(b, saved);
-      } else {
-        features = head->features(x);
-      }
+      auto features = head->features(x);  // attach() refused split heads that use replicas
       if (loss) {
         *loss = sharded_loss(features, target);
         return {};
@@ -394,10 +373,8 @@ torch::Tensor ManualSplit::run_blocks(torch::Tensor x, const torch::Tensor& targ
     } else if (loss) {
       x = ReplicaBlock::apply(this, b, x, anchor_);
     } else {
-      std::vector<torch::Tensor> saved;
-      swap_in(b, saved);
+      ReplicaSwap swap(*this, b);
       x = m.blocks()[b]->forward(x);
-      swap_out(b, saved);
     }
   }
   if (loss) *loss = m.loss(x, target.to(devices_.back()));
@@ -409,8 +386,13 @@ double ManualSplit::train_step(const models::Batch& batch) {
   if (!anchor_.defined()) anchor_ = torch::empty({0}, torch::TensorOptions().device(devices_.front())).requires_grad_(true);
   bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
   torch::Tensor loss;
-  run_blocks(batch.input.to(devices_.front()), batch.target, &loss);
-  loss.backward();
+  try {
+    run_blocks(batch.input.to(devices_.front()), batch.target, &loss);
+    loss.backward();
+  } catch (...) {
+    for (auto& kept : kept_) kept = {};  // a failed step keeps no activations
+    throw;
+  }
   anchor_.mutable_grad() = torch::Tensor();
   for (auto& kept : kept_) kept = {};
   return loss.item<double>();
@@ -441,9 +423,9 @@ void ManualSplit::optimizer_step() {
     t.mutable_grad() = torch::Tensor();
   }
   for (auto& s : shards_) {
-    optimizer_update(config_.optimizer, s.weight, s.weight.grad(), s.weight_state);
+    if (s.weight.grad().defined()) optimizer_update(config_.optimizer, s.weight, s.weight.grad(), s.weight_state);
     s.weight.mutable_grad() = torch::Tensor();
-    if (s.bias.defined()) {
+    if (s.bias.defined() && s.bias.grad().defined()) {
       optimizer_update(config_.optimizer, s.bias, s.bias.grad(), s.bias_state);
       s.bias.mutable_grad() = torch::Tensor();
     }
@@ -467,11 +449,11 @@ NamedTensors ManualSplit::gradients() {
       std::vector<torch::Tensor> parts;
       for (auto& s : shards_) {
         const auto& st = static_cast<int64_t>(p) == head_weight_ ? s.weight : s.bias;
-        parts.push_back(st.grad().defined() ? st.grad().cpu() : torch::zeros(st.sizes()));
+        parts.push_back(st.grad().defined() ? st.grad().to(torch::kCPU, false, /*copy=*/true) : torch::zeros(st.sizes()));
       }
       g = torch::cat(parts, 0);
     } else {
-      g = t.grad().defined() ? t.grad().detach().cpu() : torch::zeros(t.sizes());
+      g = t.grad().defined() ? t.grad().detach().to(torch::kCPU, false, /*copy=*/true) : torch::zeros(t.sizes());
       // The full gradient includes the replicas' contributions (summed into the home at the step).
       if (options_.sync_replicas)
         for (auto& r : replicas_)
@@ -491,7 +473,7 @@ NamedTensors ManualSplit::parameters() {
       for (auto& s : shards_) parts.push_back((static_cast<int64_t>(p) == head_weight_ ? s.weight : s.bias).detach().cpu());
       out.emplace_back(params[p].name, torch::cat(parts, 0));
     } else {
-      out.emplace_back(params[p].name, params[p].tensor.detach().cpu());
+      out.emplace_back(params[p].name, params[p].tensor.detach().to(torch::kCPU, false, /*copy=*/true));
     }
   }
   return out;

@@ -10,6 +10,7 @@
 // (vocabulary-parallel), so a classifier larger than any one device trains.
 #include <optional>
 
+#include "strategies/checkpoint.h"
 #include "strategies/strategy.h"
 
 namespace strata {
@@ -58,14 +59,21 @@ class ManualSplit : public Strategy {
     int64_t stage;
     torch::Tensor value; ///< leaf on the stage's device
   };
-  struct KeptGraph {
-    torch::autograd::Edge output;
-    torch::Tensor input;
-  };
   models::BlockModel& model();
   std::vector<Replica*> replicas_of_block(int64_t block);
-  void swap_in(int64_t block, std::vector<torch::Tensor>& saved);
-  void swap_out(int64_t block, std::vector<torch::Tensor>& saved);
+  /// While alive, the block's shared parameters hold their replicas' data (restored on any exit).
+  class ReplicaSwap {
+   public:
+    ReplicaSwap(ManualSplit& split, int64_t block);
+    ~ReplicaSwap();
+    ReplicaSwap(const ReplicaSwap&) = delete;  // restores once
+    ReplicaSwap& operator=(const ReplicaSwap&) = delete;
+
+   private:
+    ManualSplit& split_;
+    int64_t block_;
+    std::vector<torch::Tensor> saved_;
+  };
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
 
  private:
