@@ -65,7 +65,7 @@ Args parse_args(int argc, char** argv) {
       std::string s;
       while (std::getline(in, s, ',')) a.strategies.push_back(s);
     } else {
-      STRATA_CHECK(false, "unknown argument '" << arg
+      STRATA_FAIL("unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
                                  "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32] "
                                  "[--classes=N] [--options='k=v;k=v']");

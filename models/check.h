@@ -23,6 +23,14 @@ namespace detail {
 
 }  // namespace strata
 
+/// STRATA_FAIL("unknown preset '" << name << "'"): always throws (for the end of a lookup).
+#define STRATA_FAIL(msg)                                                 \
+  do {                                                                   \
+    std::ostringstream strata_fail_msg_;                                 \
+    strata_fail_msg_ << msg;                                             \
+    ::strata::detail::fail(__FILE__, __LINE__, strata_fail_msg_.str()); \
+  } while (false)
+
 /// STRATA_CHECK(cond, "balance sums to " << n << " but the model has " << m << " blocks");
 #define STRATA_CHECK(cond, msg)                                   \
   do {                                                            \

@@ -26,7 +26,7 @@ ModelKind parse_model_kind(const std::string& name) {
   if (name == "mlp") return ModelKind::mlp;
   if (name == "gpt") return ModelKind::gpt;
   if (name == "bert") return ModelKind::bert;
-  STRATA_CHECK(false, "unknown model kind '" << name << "'; known kinds: mlp, gpt, bert");
+  STRATA_FAIL("unknown model kind '" << name << "'; known kinds: mlp, gpt, bert");
 }
 
 void ModelConfig::validate() const {
@@ -266,7 +266,7 @@ const Preset& preset(const std::string& name) {
     if (p.name == name) return p;
     known += (known.empty() ? "" : ", ") + p.name;
   }
-  STRATA_CHECK(false, "unknown model preset '" << name << "'; known presets: " << known);
+  STRATA_FAIL("unknown model preset '" << name << "'; known presets: " << known);
 }
 
 }  // namespace strata::models

@@ -12,7 +12,7 @@ namespace strata {
 OptimizerKind parse_optimizer_kind(const std::string& name) {
   if (name == "sgd") return OptimizerKind::sgd;
   if (name == "adamw") return OptimizerKind::adamw;
-  STRATA_CHECK(false, "unknown optimizer '" << name << "'; known: sgd, adamw");
+  STRATA_FAIL("unknown optimizer '" << name << "'; known: sgd, adamw");
 }
 
 void OptimizerConfig::validate() const {

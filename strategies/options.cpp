@@ -15,7 +15,7 @@ bool OptionReader::get_bool(const std::string& key, bool fallback) {
   if (!v) return fallback;
   if (*v == "1" || *v == "true" || *v == "on") return true;
   if (*v == "0" || *v == "false" || *v == "off") return false;
-  STRATA_CHECK(false, strategy_ << ": option " << key << "='" << *v << "' is not a boolean (use 1/0, true/false, on/off)");
+  STRATA_FAIL(strategy_ << ": option " << key << "='" << *v << "' is not a boolean (use 1/0, true/false, on/off)");
 }
 
 int64_t OptionReader::get_int(const std::string& key, int64_t fallback) {
@@ -63,7 +63,7 @@ void OptionReader::finish() const {
     if (known_.count(key)) continue;
     std::string known;
     for (const auto& k : known_) known += (known.empty() ? "" : ", ") + k;
-    STRATA_CHECK(false, strategy_ << ": unknown option '" << key << "'; known options: "
+    STRATA_FAIL(strategy_ << ": unknown option '" << key << "'; known options: "
                                   << (known.empty() ? "(none)" : known));
   }
 }

@@ -302,7 +302,7 @@ double Stopwatch::elapsed_ms() {
 namespace detail {
 // This LibTorch has no CUDA; check_available() has already refused any CUDA device.
 std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& d) {
-  STRATA_CHECK(false, "device '" << d << "': strata was built against a LibTorch without CUDA");
+  STRATA_FAIL("device '" << d << "': strata was built against a LibTorch without CUDA");
 }
 std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& d) { return cuda_compute_stream(d); }
 AllocatorStats cuda_allocator_stats(const torch::Device&) { return {}; }

@@ -67,7 +67,7 @@ void ManualSplitOptions::validate() const {
     try {
       device::parse(d);
     } catch (const Error& e) {
-      STRATA_CHECK(false, "manual_split: " << e.what());
+      STRATA_FAIL("manual_split: " << e.what());
     }
   }
   if (!balance.empty() && !devices.empty())
