@@ -122,10 +122,11 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
       state.SetIterationTime((f + o) / 1e3);
     }
     const auto stats = strategy->stats();
-    int64_t peak = 0, reserved = 0;
+    int64_t peak = 0, reserved = 0, params = 0;
     for (const auto& [name, mem] : stats.devices) {
       peak = std::max(peak, mem.peak_allocated);
       reserved = std::max(reserved, mem.peak_reserved);
+      params = std::max(params, mem.peak_param_bytes);
     }
     const double step_s = (fb_ms + opt_ms) / 1e3 / steps;
     using benchmark::Counter;
@@ -134,6 +135,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
     state.counters["optimizer_ms"] = opt_ms / steps;
     state.counters["peak_allocated_bytes"] = static_cast<double>(peak);
     state.counters["peak_reserved_bytes"] = static_cast<double>(reserved);
+    state.counters["peak_param_bytes"] = static_cast<double>(params);
     state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;
     state.counters["d2h_bytes_per_step"] = static_cast<double>(stats.bytes_d2h) / steps;
     state.counters["interconnect_bytes_per_step"] = static_cast<double>(stats.bytes_interconnect) / steps;
