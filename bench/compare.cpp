@@ -4,7 +4,7 @@
 //
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
 //                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
-//                  [--classes=N] [--options='key=value;key=value']
+//                  [--classes=N] [--options='key=value;strategy:key=value']
 //
 // Training: median over the timed steps of forward+backward (train_step) and of the optimizer
 // step, each timed to the device's completion. --inference times forward() only and reports the
@@ -32,7 +32,7 @@ struct Args {
   bool inference = false;
   bool tf32 = true;
   int64_t classes = 0;                        ///< overrides the preset's class count
-  std::map<std::string, std::string> options; ///< given to every strategy timed
+  std::map<std::string, std::string> options; ///< key=value for every strategy, or strategy:key=value for one
 };
 
 Args parse_args(int argc, char** argv) {
@@ -68,7 +68,7 @@ Args parse_args(int argc, char** argv) {
       STRATA_FAIL("unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
                                  "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32] "
-                                 "[--classes=N] [--options='k=v;k=v']");
+                                 "[--classes=N] [--options='k=v;strategy:k=v']");
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
@@ -94,7 +94,18 @@ int run(int argc, char** argv) {
   config.device = dev;
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
-  config.options = args.options;
+  // Options for one strategy: the unprefixed ones and those prefixed with its name.
+  auto options_for = [&](const std::string& strategy) {
+    std::map<std::string, std::string> out;
+    for (const auto& [key, value] : args.options) {
+      const auto colon = key.find(':');
+      if (colon == std::string::npos)
+        out[key] = value;
+      else if (key.substr(0, colon) == strategy)
+        out[key.substr(colon + 1)] = value;
+    }
+    return out;
+  };
 
   std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s\n",
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
@@ -124,7 +135,8 @@ int run(int argc, char** argv) {
                                                                                  : "mlp-tiny")
                       .config;
     at::globalContext().setAllowTF32CuBLAS(false);
-    small.options = args.options;
+    small.options = options_for(name);
+    config.options = small.options;
     const auto parity = correctness::check_parity(name, small, dev);
     at::globalContext().setAllowTF32CuBLAS(args.tf32);
     if (!parity.ok) {
