@@ -17,6 +17,7 @@
 #include "correctness/support/parity.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
+#include "strategies/options.h"
 #include "strategies/strategy.h"
 
 namespace strata {
@@ -51,9 +52,7 @@ Args parse_args(int argc, char** argv) {
     else if (arg == "--inference") a.inference = true;
     else if (const char* v = value("classes")) a.classes = std::atoll(v);
     else if (const char* v = value("options")) {
-      std::stringstream in(v);
-      std::string kv;
-      while (std::getline(in, kv, ';')) {
+      for (const auto& kv : split(v, ';')) {
         const auto eq = kv.find('=');
         STRATA_CHECK(eq != std::string::npos, "--options: '" << kv << "' is not key=value");
         a.options[kv.substr(0, eq)] = kv.substr(eq + 1);
@@ -61,9 +60,7 @@ Args parse_args(int argc, char** argv) {
     }
     else if (arg == "--no-tf32") a.tf32 = false;
     else if (const char* v = value("strategies")) {
-      std::stringstream in(v);
-      std::string s;
-      while (std::getline(in, s, ',')) a.strategies.push_back(s);
+      a.strategies = split(v);
     } else {
       STRATA_FAIL("unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "

@@ -16,6 +16,7 @@
 #include "bench/common.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
+#include "strategies/options.h"
 #include "strategies/strategy.h"
 
 namespace strata::bench {
@@ -29,14 +30,6 @@ struct Settings {
   double peak_tflops = 0;  ///< 0: measured once at start
   OptimizerKind optimizer = OptimizerKind::adamw;
 };
-
-std::vector<std::string> split(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(item);
-  return out;
-}
 
 // Dense fp32 matmul rate (TF32 where enabled) on the device: the denominator of MFU.
 double measure_peak_tflops(const torch::Device& device) {

@@ -4,6 +4,14 @@
 
 namespace strata {
 
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, separator)) out.push_back(item);
+  return out;
+}
+
 const std::string* OptionReader::find(const std::string& key) {
   known_.insert(key);
   auto it = options_.find(key);
@@ -41,9 +49,7 @@ std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::v
   const auto* v = find(key);
   if (!v) return fallback;
   std::vector<int64_t> out;
-  std::stringstream in(*v);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  for (const auto& item : split(*v)) {
     size_t used = 0;
     int64_t x = 0;
     try {
@@ -56,6 +62,11 @@ std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::v
     out.push_back(x);
   }
   return out;
+}
+
+std::vector<std::string> OptionReader::get_strings(const std::string& key, const std::vector<std::string>& fallback) {
+  const auto* v = find(key);
+  return v ? split(*v) : fallback;
 }
 
 void OptionReader::finish() const {

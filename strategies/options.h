@@ -10,6 +10,9 @@
 
 namespace strata {
 
+/// "a,b,c" -> {"a", "b", "c"}; the one list splitter of strata (options, command lines).
+std::vector<std::string> split(const std::string& text, char separator = ',');
+
 class OptionReader {
  public:
   OptionReader(std::string strategy, const std::map<std::string, std::string>& options)
@@ -20,6 +23,8 @@ class OptionReader {
   std::string get_string(const std::string& key, const std::string& fallback);
   /// Comma-separated integers, e.g. "3,2,1".
   std::vector<int64_t> get_ints(const std::string& key, const std::vector<int64_t>& fallback);
+  /// Comma-separated strings, e.g. "cuda:0,cuda:1".
+  std::vector<std::string> get_strings(const std::string& key, const std::vector<std::string>& fallback);
   /// Rejects keys nobody asked for (typos), listing the known ones. Call after the gets.
   void finish() const;
 

@@ -19,14 +19,6 @@ std::string join(const std::vector<int64_t>& v) {
   return out.str();
 }
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(item);
-  return out;
-}
-
 void accumulate(torch::Tensor& grad, const torch::Tensor& contribution) {
   if (!contribution.defined()) return;
   if (!grad.defined())
@@ -42,8 +34,7 @@ ManualSplitOptions ManualSplitOptions::parse(const std::map<std::string, std::st
   ManualSplitOptions o;
   const auto balance = reader.get_string("balance", "auto");
   if (balance != "auto") o.balance = reader.get_ints("balance", {});
-  const auto devices = reader.get_string("devices", "");
-  if (!devices.empty()) o.devices = split_list(devices);
+  o.devices = reader.get_strings("devices", o.devices);
   o.stages = reader.get_int("stages", o.stages);
   o.weigh = reader.get_string("weigh", o.weigh);
   o.activation_batch = reader.get_int("activation_batch", o.activation_batch);
