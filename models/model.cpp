@@ -10,6 +10,7 @@
 
 #include "models/builders.h"
 #include "models/check.h"
+#include "models/threads.h"
 
 namespace strata::models {
 
@@ -173,10 +174,7 @@ void initialise(BlockModel& model, uint64_t seed) {
       jobs[j].flat.narrow(0, lo, std::min(kChunk, jobs[j].flat.numel() - lo)).normal_(0.0, 0.02, gen);
     }
   };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  run_on_threads(threads, work);
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 #include "strategies/optim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <thread>
 #include <sstream>
 
 #include "models/check.h"
+#include "models/threads.h"
 
 namespace strata {
 
@@ -47,12 +49,11 @@ void parallel_chunks(int64_t n, F fn) {
     fn(0, n);
     return;
   }
-  std::vector<std::thread> pool;
   const int64_t chunk = (n + threads - 1) / threads;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back([&, t] { fn(t * chunk, std::min(n, (t + 1) * chunk)); });
-  fn(0, std::min(n, chunk));
-  for (auto& th : pool) th.join();
+  std::atomic<int64_t> next{0};
+  run_on_threads(static_cast<size_t>(threads), [&] {
+    for (int64_t c = next++; c * chunk < n; c = next++) fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
 }
 
 bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <mutex>
 #include <regex>
+#include <system_error>
 #include <thread>
 
 #include "models/check.h"
@@ -38,6 +39,11 @@ void check_available(const torch::Device& device) {
 
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) detail::cuda_synchronize(device);
+}
+
+void synchronize_all() {
+  const auto n = cuda_device_count();
+  for (int64_t i = 0; i < n; ++i) detail::cuda_synchronize(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i)));
 }
 
 torch::Tensor host_buffer(at::IntArrayRef sizes, torch::ScalarType dtype, const torch::Device& device) {
@@ -115,7 +121,11 @@ struct HostQueue::State {
 };
 
 HostQueue::HostQueue() : state_(std::make_unique<State>()) {
-  state_->worker = std::thread([s = state_.get()] { s->run(); });
+  try {
+    state_->worker = std::thread([s = state_.get()] { s->run(); });
+  } catch (const std::system_error& e) {
+    STRATA_FAIL("cannot start the host copy-engine thread of a CPU side stream: " << e.what());
+  }
 }
 
 HostQueue::~HostQueue() {
