@@ -1,7 +1,12 @@
 #pragma once
 // Shared by the benchmark binaries: the parity check every cell runs before it times anything.
+#include <map>
+#include <string>
+
 #include "correctness/support/parity.h"
+#include "models/check.h"
 #include "models/model.h"
+#include "strategies/options.h"
 
 namespace strata::bench {
 
@@ -27,6 +32,51 @@ inline correctness::ParityResult check_before_timing(const std::string& strategy
   auto result = correctness::check_parity(strategy, small, device);
   at::globalContext().setAllowTF32CuBLAS(tf32);
   return result;
+}
+
+/// Out of memory, as CUDA's caching allocator ("out of memory") and the CPU allocator ("can't
+/// allocate memory") word it: a result to record, not a failure of the run.
+inline bool is_oom(const std::string& what) {
+  return what.find("out of memory") != std::string::npos || what.find("can't allocate memory") != std::string::npos;
+}
+
+/// Strategy options as given on a command line: "key=value;strategy:key=value". An unprefixed key
+/// applies to every strategy, a prefixed one to that strategy only.
+inline std::map<std::string, std::string> parse_options_arg(const std::string& text) {
+  std::map<std::string, std::string> out;
+  for (const auto& kv : split(text, ';')) {
+    const auto eq = kv.find('=');
+    STRATA_CHECK(eq != std::string::npos && eq > 0, "--options: '" << kv << "' is not key=value");
+    out[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return out;
+}
+
+/// The options of parse_options_arg() that apply to `strategy`, prefixes removed.
+inline std::map<std::string, std::string> options_for(const std::map<std::string, std::string>& options,
+                                                      const std::string& strategy) {
+  std::map<std::string, std::string> out;
+  for (const auto& [key, value] : options) {
+    const auto colon = key.find(':');
+    if (colon == std::string::npos)
+      out[key] = value;
+    else if (key.substr(0, colon) == strategy)
+      out[key.substr(colon + 1)] = value;
+  }
+  return out;
+}
+
+/// "manual_split" or, with options, "manual_split[devices=cuda:0,cuda:1;classifier_shards=2]": the
+/// name a cell or a table row carries, so runs of one strategy with different options stay apart.
+inline std::string label_with_options(const std::string& strategy, const std::map<std::string, std::string>& options) {
+  if (options.empty()) return strategy;
+  std::string out = strategy + "[";
+  bool first = true;
+  for (const auto& [key, value] : options) {
+    out += (first ? "" : ";") + key + "=" + value;
+    first = false;
+  }
+  return out + "]";
 }
 
 }  // namespace strata::bench

@@ -7,13 +7,14 @@
 //                  [--classes=N] [--options='key=value;strategy:key=value']
 //
 // Training: median over the timed steps of forward+backward (train_step) and of the optimizer
-// step, each timed to the device's completion. --inference times forward() only and reports the
+// step, each timed to the completion of every device. --inference times forward() only and reports the
 // host-to-device bandwidth it achieved (bytes moved / time).
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
 
+#include "bench/common.h"
 #include "correctness/support/parity.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
@@ -51,13 +52,7 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("optimizer")) a.optimizer = v;
     else if (arg == "--inference") a.inference = true;
     else if (const char* v = value("classes")) a.classes = std::atoll(v);
-    else if (const char* v = value("options")) {
-      for (const auto& kv : split(v, ';')) {
-        const auto eq = kv.find('=');
-        STRATA_CHECK(eq != std::string::npos, "--options: '" << kv << "' is not key=value");
-        a.options[kv.substr(0, eq)] = kv.substr(eq + 1);
-      }
-    }
+    else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
     else if (arg == "--no-tf32") a.tf32 = false;
     else if (const char* v = value("strategies")) {
       a.strategies = split(v);
@@ -91,18 +86,6 @@ int run(int argc, char** argv) {
   config.device = dev;
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
-  // Options for one strategy: the unprefixed ones and those prefixed with its name.
-  auto options_for = [&](const std::string& strategy) {
-    std::map<std::string, std::string> out;
-    for (const auto& [key, value] : args.options) {
-      const auto colon = key.find(':');
-      if (colon == std::string::npos)
-        out[key] = value;
-      else if (key.substr(0, colon) == strategy)
-        out[key.substr(colon + 1)] = value;
-    }
-    return out;
-  };
 
   std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s\n",
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
@@ -124,6 +107,14 @@ int run(int argc, char** argv) {
   auto ms_since = [&](auto start) { return std::chrono::duration<double, std::milli>(now() - start).count(); };
   const double gb = 1e9, gib = 1024.0 * 1024.0 * 1024.0;
 
+  // Strategies over several devices also get one line of peaks per device under their row.
+  auto print_per_device = [&](const Stats& s) {
+    if (s.devices.size() < 2) return;
+    std::printf("%-22s per device, peak allocated / reserved GiB:", "");
+    for (const auto& [d, m] : s.devices) std::printf("  %s %.2f / %.2f", d.c_str(), m.peak_allocated / gib, m.peak_reserved / gib);
+    std::printf("\n");
+  };
+
   for (const auto& name : args.strategies) {
     // Parity first, on a small model: a strategy that is wrong is not timed.
     correctness::ParityCase small;
@@ -132,12 +123,13 @@ int run(int argc, char** argv) {
                                                                                  : "mlp-tiny")
                       .config;
     at::globalContext().setAllowTF32CuBLAS(false);
-    small.options = options_for(name);
+    small.options = bench::options_for(args.options, name);
+    const std::string label = bench::label_with_options(name, small.options);
     config.options = small.options;
     const auto parity = correctness::check_parity(name, small, dev);
     at::globalContext().setAllowTF32CuBLAS(args.tf32);
     if (!parity.ok) {
-      std::printf("%-22s %-6s %s\n", name.c_str(), "FAIL", parity.message.c_str());
+      std::printf("%-22s %-6s %s\n", label.c_str(), "FAIL", parity.message.c_str());
       continue;
     }
     std::fflush(stdout);
@@ -151,13 +143,13 @@ int run(int argc, char** argv) {
       auto batch = models::make_batch(preset.config, batch_size, 1);
       if (args.inference) {
         strategy->forward(batch.input);  // warm-up
-        device::synchronize(dev);
+        device::synchronize_all();
         strategy->reset_stats();
         std::vector<double> times;
         for (int i = 0; i < args.steps; ++i) {
           const auto start = now();
           strategy->forward(batch.input);
-          device::synchronize(dev);
+          device::synchronize_all();
           times.push_back(ms_since(start));
         }
         const double t = median(times);
@@ -165,24 +157,25 @@ int run(int argc, char** argv) {
         int64_t peak = 0;
         for (const auto& [d, m] : s.devices) peak = std::max(peak, m.peak_allocated);
         const double h2d = static_cast<double>(s.bytes_h2d) / args.steps;
-        std::printf("%-22s %-6s %10.2f %12.0f %10.2f %10.3f %10.1f\n", name.c_str(), "ok", t,
+        std::printf("%-22s %-6s %10.2f %12.0f %10.2f %10.3f %10.1f\n", label.c_str(), "ok", t,
                     static_cast<double>(items) / (t / 1e3), peak / gib, h2d / gb, h2d / gb / (t / 1e3));
+        print_per_device(s);
       } else {
         for (int i = 0; i < 2; ++i) {  // warm-up: allocator caches, pinned buffers, cuBLAS handles
           strategy->train_step(batch);
           strategy->optimizer_step();
         }
-        device::synchronize(dev);
+        device::synchronize_all();
         strategy->reset_stats();
         std::vector<double> fb, opt, step;
         for (int i = 0; i < args.steps; ++i) {
           const auto start = now();
           strategy->train_step(batch);
-          device::synchronize(dev);
+          device::synchronize_all();
           fb.push_back(ms_since(start));
           const auto mid = now();
           strategy->optimizer_step();
-          device::synchronize(dev);
+          device::synchronize_all();
           opt.push_back(ms_since(mid));
           step.push_back(ms_since(start));
         }
@@ -193,14 +186,15 @@ int run(int argc, char** argv) {
           reserved = std::max(reserved, m.peak_reserved);
         }
         const double t = median(step);
-        std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", name.c_str(), "ok",
+        std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", label.c_str(), "ok",
                     median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peak / gib, reserved / gib,
                     static_cast<double>(s.bytes_h2d) / args.steps / gb, static_cast<double>(s.bytes_d2h) / args.steps / gb);
+        print_per_device(s);
       }
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       const std::string what = e.what();
-      const bool oom = what.find("out of memory") != std::string::npos;
-      std::printf("%-22s %-6s %s\n", name.c_str(), "ok", oom ? "out of memory" : what.substr(0, 300).c_str());
+      const bool oom = bench::is_oom(what);
+      std::printf("%-22s %-6s %s\n", label.c_str(), "ok", oom ? "out of memory" : what.substr(0, 300).c_str());
     }
     std::fflush(stdout);
   }

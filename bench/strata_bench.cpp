@@ -3,14 +3,22 @@
 // Formulas of every counter: bench/METRICS.md.
 //
 //   strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N]
-//                [--peak-tflops=X] [--optimizer=adamw|sgd] [Google Benchmark flags, e.g.
+//                [--peak-tflops=X] [--optimizer=adamw|sgd] [--classes=N] [--batch=N]
+//                [--options='key=value;strategy:key=value'] [Google Benchmark flags, e.g.
 //                --benchmark_out=out.json --benchmark_out_format=json]
+//
+// A cell is named strategy/model; with options, strategy[k=v;k=v]/model, and with --classes,
+// model[classes=N], so cells of one strategy under different options can share a report and a
+// gate baseline. Cells whose options spread a strategy over several devices are timed on the host
+// clock with every device synchronised (events on one device would not see the others' work);
+// per-device peaks are added as counters peak_allocated_bytes.<device>.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "bench/common.h"
@@ -29,6 +37,41 @@ struct Settings {
   int steps = 5;
   double peak_tflops = 0;  ///< 0: measured once at start
   OptimizerKind optimizer = OptimizerKind::adamw;
+  int64_t classes = 0;                         ///< overrides the presets' class count (bert, mlp)
+  int64_t batch = 0;                           ///< overrides the presets' batch size
+  std::map<std::string, std::string> options;  ///< as given: key=value or strategy:key=value
+};
+
+// True when the options place the strategy on more than one distinct device.
+bool spans_devices(const std::map<std::string, std::string>& options) {
+  const auto it = options.find("devices");
+  if (it == options.end()) return false;
+  const auto list = split(it->second);
+  return std::set<std::string>(list.begin(), list.end()).size() > 1;
+}
+
+// Times one phase: CUDA events on the cell's device, or the host clock after synchronising every
+// device when the work is spread over several.
+class PhaseTimer {
+ public:
+  PhaseTimer(const torch::Device& device, bool all_devices) : watch_(device), all_(all_devices) {}
+  void start() {
+    if (!all_) return watch_.start();
+    device::synchronize_all();
+    host_start_ = std::chrono::steady_clock::now();
+  }
+  void stop() {
+    if (!all_) return watch_.stop();
+    device::synchronize_all();
+    host_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start_).count();
+  }
+  double elapsed_ms() { return all_ ? host_ms_ : watch_.elapsed_ms(); }
+
+ private:
+  device::Stopwatch watch_;
+  bool all_;
+  std::chrono::steady_clock::time_point host_start_;
+  double host_ms_ = 0;
 };
 
 // Dense fp32 matmul rate (TF32 where enabled) on the device: the denominator of MFU.
@@ -61,15 +104,12 @@ double measure_h2d_gbps(const torch::Device& device) {
   return 5.0 * bytes / (watch.elapsed_ms() / 1e3) / 1e9;
 }
 
-// CUDA's caching allocator says "out of memory"; the CPU allocator "can't allocate memory".
-bool is_oom(const std::string& what) {
-  return what.find("out of memory") != std::string::npos || what.find("can't allocate memory") != std::string::npos;
-}
-
 void run_cell(benchmark::State& state, const Settings& settings, const std::string& strategy_name,
               const models::Preset& preset, int index, int total) {
-  std::fprintf(stderr, "[%d/%d] %s on %s: parity check\n", index, total, strategy_name.c_str(), preset.name.c_str());
-  const auto parity = check_before_timing(strategy_name, preset.config, {}, settings.device);
+  const auto options = options_for(settings.options, strategy_name);
+  std::fprintf(stderr, "[%d/%d] %s on %s: parity check\n", index, total,
+               label_with_options(strategy_name, options).c_str(), preset.name.c_str());
+  const auto parity = check_before_timing(strategy_name, preset.config, options, settings.device);
   if (!parity.ok) {
     state.SkipWithError(("parity failed, not timed: " + parity.message).c_str());
     state.counters["parity_ok"] = 0;
@@ -85,6 +125,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
     config.device = dev;
     config.optimizer.kind = settings.optimizer;
     config.optimizer.lr = 1e-4;
+    config.options = options;
     auto strategy = Registry::create(strategy_name, config);
     auto model = models::build_model(preset.config, 0);
     const double items = static_cast<double>(model.items_per_batch(preset.batch_size));
@@ -96,11 +137,12 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
       strategy->train_step(batch);
       strategy->optimizer_step();
     }
-    device::synchronize(dev);
+    device::synchronize_all();
     strategy->reset_stats();
     double fb_ms = 0, opt_ms = 0;
     int64_t steps = 0;
-    device::Stopwatch fb(dev), opt(dev);
+    const bool all_devices = spans_devices(options);
+    PhaseTimer fb(dev, all_devices), opt(dev, all_devices);
     for (auto _ : state) {
       fb.start();
       strategy->train_step(batch);
@@ -120,6 +162,10 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
       peak = std::max(peak, mem.peak_allocated);
       reserved = std::max(reserved, mem.peak_reserved);
       params = std::max(params, mem.peak_param_bytes);
+      if (stats.devices.size() > 1) {
+        state.counters["peak_allocated_bytes." + name] = static_cast<double>(mem.peak_allocated);
+        state.counters["peak_reserved_bytes." + name] = static_cast<double>(mem.peak_reserved);
+      }
     }
     const double step_s = (fb_ms + opt_ms) / 1e3 / steps;
     using benchmark::Counter;
@@ -164,6 +210,9 @@ int run(int argc, char** argv) {
     else if (auto v = value("steps")) s.steps = std::stoi(*v);
     else if (auto v = value("peak-tflops")) s.peak_tflops = std::stod(*v);
     else if (auto v = value("optimizer")) s.optimizer = parse_optimizer_kind(*v);
+    else if (auto v = value("classes")) s.classes = std::stoll(*v);
+    else if (auto v = value("batch")) s.batch = std::stoll(*v);
+    else if (auto v = value("options")) s.options = parse_options_arg(*v);
     else rest.push_back(argv[i]);
   }
   STRATA_CHECK(s.steps >= 1, "--steps=" << s.steps << " must be at least 1");
@@ -189,10 +238,24 @@ int run(int argc, char** argv) {
   const int total = static_cast<int>(s.models.size() * s.strategies.size());
   int index = 0;
   for (const auto& m : s.models) {
-    const auto preset = models::preset(m);
+    auto preset = models::preset(m);
+    std::map<std::string, std::string> overrides;  // shown in the cell's name
+    if (s.classes > 0) {
+      STRATA_CHECK(preset.config.kind != models::ModelKind::gpt,
+                   "--classes=" << s.classes << " applies to bert and mlp presets, not to '" << m << "'");
+      preset.config.classes = s.classes;
+      preset.config.validate();
+      overrides["classes"] = std::to_string(s.classes);
+    }
+    if (s.batch > 0) {
+      preset.batch_size = s.batch;
+      overrides["batch"] = std::to_string(s.batch);
+    }
+    preset.name = label_with_options(m, overrides);
     for (const auto& st : s.strategies) {
       ++index;
-      benchmark::RegisterBenchmark((st + "/" + m).c_str(),
+      const auto cell = label_with_options(st, options_for(s.options, st)) + "/" + preset.name;
+      benchmark::RegisterBenchmark(cell.c_str(),
                                    [s, st, preset, index, total](benchmark::State& state) {
                                      run_cell(state, s, st, preset, index, total);
                                    })

@@ -209,6 +209,34 @@ TEST(MultiGpu, seed_case_classifier_on_the_second_device_and_split_over_both) {
   }
 }
 
+TEST(MultiGpu, each_device_holds_its_stage_and_reports_its_own_peak) {
+  // gpt-tiny: embedding, 2 blocks, head tied to the embedding. Balance {2,2}: the embedding and
+  // block 1 on cuda:0; block 2 and the head on cuda:1, where the head uses the embedding's replica.
+  const auto config = models::preset("gpt-tiny").config;
+  StrategyConfig c;
+  c.device = torch::Device(torch::kCUDA, 0);
+  ManualSplit s("manual_split", c, ManualSplitOptions::parse({{"devices", "cuda:0,cuda:1"}, {"balance", "2,2"}}));
+  s.attach(models::build_model(config, 0));
+  const auto model = models::build_model(config, 0);
+  int64_t expect0 = 0, expect1 = 0;
+  for (const auto& p : model.parameters()) (p.owner_block < 2 ? expect0 : expect1) += p.tensor.nbytes();
+  expect1 += model.parameters().front().tensor.nbytes();  // the replica of the tied embedding
+  for (const auto& [where, dev] : s.placement()) {
+    const auto block = std::stoll(where.substr(0, where.find(':')));
+    EXPECT_EQ(dev, torch::Device(torch::kCUDA, block < 2 ? 0 : 1)) << where;
+  }
+  s.reset_stats();
+  s.train_step(models::make_batch(config, 2, 1));
+  s.optimizer_step();
+  const auto stats = s.stats();
+  ASSERT_EQ(stats.devices.size(), 2u);
+  EXPECT_EQ(stats.devices.at("cuda:0").resident_param_bytes, expect0);
+  EXPECT_EQ(stats.devices.at("cuda:1").resident_param_bytes, expect1);
+  for (const auto& [d, mem] : stats.devices) EXPECT_GT(mem.peak_allocated, 0) << d;
+  EXPECT_GT(stats.bytes_interconnect, 0);
+  EXPECT_EQ(s.max_replica_drift(), 0.0);
+}
+
 TEST(MultiGpu, prop_split_over_two_devices_matches_the_baseline) {
   const bool ok = rc::check("manual_split over cuda:0 and cuda:1", [] {
     const auto c = *correctness::gen_parity_case("manual_split", {"cuda:0", "cuda:1"});

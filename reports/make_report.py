@@ -4,8 +4,12 @@ plots for one machine: throughput and peak memory per strategy and model, the me
 trade-off, achieved host-to-device bandwidth against the link, and strata's figures as ratios to
 PyTorch's own equivalents measured in the same run.
 
-  python3 reports/make_report.py --strata bench.json [--peers peers.json] --out reports/h200 \
-      [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
+  python3 reports/make_report.py --strata bench.json [--strata more.json ...] [--peers peers.json] \
+      --out reports/h200 [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
+
+Several --strata files (e.g. the matrix and the cells over two GPUs) are read as one run; the
+context (device, peak, link) is the first file's. Cells that spread over several devices get a
+table of peak memory per device.
 """
 import argparse
 import json
@@ -66,14 +70,16 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--strata", required=True)
+    ap.add_argument("--strata", required=True, action="append")
     ap.add_argument("--peers")
     ap.add_argument("--out", required=True)
     ap.add_argument("--machine", default="")
     ap.add_argument("--command", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    context, rows = load(args.strata, "strata")
+    context, rows = load(args.strata[0], "strata")
+    for extra in args.strata[1:]:
+        rows += load(extra, "strata")[1]
     peer_context = {}
     if args.peers and os.path.exists(args.peers):
         peer_context, peer_rows = load(args.peers, "peer")
@@ -114,6 +120,15 @@ def main():
                 line += (f" {r['real_time'] / base[p]['real_time']:.2f} | "
                          f"{r['peak_allocated_bytes'] / max(base[p]['peak_allocated_bytes'], 1):.2f} |")
             out.append(line)
+        spread = [r for r in rs if not r["failed"] and any(k.startswith("peak_allocated_bytes.") for k in r)]
+        if spread:
+            out.append("\nPeak memory per device (allocated / reserved GiB):\n")
+            out.append("| strategy | " + " | ".join(["device", "allocated", "reserved"]) + " |\n|---|---|---:|---:|")
+            for r in spread:
+                for k in sorted(k for k in r if k.startswith("peak_allocated_bytes.")):
+                    dev = k.split(".", 1)[1]
+                    out.append(f"| {r['strategy']} | {dev} | {r[k] / GIB:.2f} | "
+                               f"{r.get('peak_reserved_bytes.' + dev, 0) / GIB:.2f} |")
         offl = [r for r in rs if "offloaded_params_on_device" in r]
         if offl:
             out.append("\nOffloaded parameters left on the GPU after a step (peers):\n")

@@ -21,6 +21,9 @@ torch::Device parse(const std::string& text);
 void check_available(const torch::Device& device);
 /// Waits until all work queued on `device` has finished (no-op on CPU).
 void synchronize(const torch::Device& device);
+/// Waits for every CUDA device of the machine (no-op without CUDA): what a timer around work
+/// spread over several devices must wait for.
+void synchronize_all();
 
 /// Host memory for buffers that stream to and from `device`: page-locked when `device` is CUDA
 /// (copies from pageable memory are not asynchronous), ordinary memory otherwise.
