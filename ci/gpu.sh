@@ -65,16 +65,18 @@ if [ "$gpu_count" -gt 1 ]; then
     "wide-cols|--models=bert-base-6m --classes=$wide --batch=8 --strategies=manual_split --options=devices=$two;classifier_shards=2"
     "12m-cols|--models=bert-base-12m --batch=8 --strategies=manual_split --options=devices=$two;classifier_shards=2"
   )
+  cell_files=()
   for cell in "${cells[@]}"; do
     tag=${cell%%|*}
     read -r -a cell_args <<< "${cell#*|}"
     ./build/cuda/bench/strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
       --benchmark_out="$outdir/bench-2gpu-$tag.json" --benchmark_out_format=json > "$outdir/bench-2gpu-$tag.txt" 2>&1 || status=1
     grep -E "^(baseline|manual_split)" "$outdir/bench-2gpu-$tag.txt" | cut -c1-160
+    cell_files+=("$outdir/bench-2gpu-$tag.json")
     bench_command+="; strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-} ${cell#*|}"
   done
   # One file for the gate: the matrix and the two-GPU cells.
-  python3 - "$outdir/bench.json" "$outdir"/bench-2gpu-*.json <<'PY'
+  python3 - "$outdir/bench.json" "${cell_files[@]}" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 for extra in sys.argv[2:]:
