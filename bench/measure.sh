@@ -17,8 +17,19 @@ run --model=gpt-871m --batch=1 --steps=5 --inference --strategies=baseline,hook_
 # Seed 000: backbone and classifier as two stages (automatic balance puts the classifier alone).
 run --model=bert-base-6m --batch=8 --steps=4 --strategies=baseline,manual_split
 run --model=bert-base-6m --batch=8 --steps=4 --strategies=manual_split --options='classifier_shards=2'
-# The largest class count the baseline trains with AdamW (predicted ~9.5M: 16 B/parameter of state
-# plus the optimizer's temporary), then the column split at that count.
-run --model=bert-base-6m --classes=9000000 --batch=8 --steps=3 --strategies=baseline
-run --model=bert-base-6m --classes=10000000 --batch=8 --steps=3 --strategies=baseline
-run --model=bert-base-6m --classes=9000000 --batch=8 --steps=3 --strategies=manual_split --options='classifier_shards=2'
+# The largest class count the baseline trains with AdamW on one GPU (bisection; measured 7,968,750
+# on an H200), then the baseline and the column split at that count.
+bash "$(dirname "$0")/max_classes.sh" "$1" 6000000 9000000 125000 --device=cuda:0 --model=bert-base-6m --batch=8 \
+  --steps=2 --strategies=baseline 2>&1 | tee -a "$out"
+largest=$(grep -oE "largest that trains: [0-9]+" "$out" | tail -n 1 | grep -oE "[0-9]+$")
+if [ -n "$largest" ]; then
+  run --model=bert-base-6m --classes="$largest" --batch=8 --steps=3 --strategies=baseline,manual_split \
+    --options='manual_split:classifier_shards=2'
+fi
+# With two GPUs: the largest counts with the classifier alone on cuda:1 and column-split over both.
+if [ "$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)" -ge 2 ]; then
+  bash "$(dirname "$0")/max_classes.sh" "$1" 8000000 12000000 187500 --device=cuda:0 --model=bert-base-6m \
+    --batch=8 --steps=2 --strategies=manual_split --options='devices=cuda:0,cuda:1' 2>&1 | tee -a "$out"
+  bash "$(dirname "$0")/max_classes.sh" "$1" 12000000 20000000 500000 --device=cuda:0 --model=bert-base-6m \
+    --batch=8 --steps=2 --strategies=manual_split --options='devices=cuda:0,cuda:1;classifier_shards=2' 2>&1 | tee -a "$out"
+fi

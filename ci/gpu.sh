@@ -12,7 +12,7 @@
 # Environment: STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_PEERS_MODEL (default
 # gpt-871m), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
-# baseline cannot train on one GPU; default in bench/NOTES.md's measurement).
+# baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
 # With two or more GPUs the matrix gains cells over cuda:0 and cuda:1 (manual_split of the GPT;
 # seed 000's BERT with its classifier on the second GPU, at 6M classes and at a count one GPU
@@ -56,7 +56,7 @@ tail -n 20 "$outdir/bench.txt"
 bench_command="strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-}"
 if [ "$gpu_count" -gt 1 ]; then
   echo "ci/gpu.sh: cells over two GPUs"
-  wide=${STRATA_WIDE_CLASSES:-8250000}
+  wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/NOTES.md: one H200 trains at most 7,968,750
   two=cuda:0,cuda:1
   cells=(
     "gpt|--models=gpt-871m --strategies=manual_split --options=devices=$two"

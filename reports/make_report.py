@@ -51,9 +51,20 @@ def status(r):
     return "parity FAIL" if "parity" in msg else "error"
 
 
+def panels(n):
+    """One panel per model, at most three to a row; unused panels hidden."""
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
 def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = panels(len(models))
+    for ax, model in zip(axes, models):
         rs = [r for r in rows if r["model"] == model and not r["failed"] and r.get(value) is not None]
         names = [r["strategy"] for r in rs]
         vals = [r[value] * scale for r in rs]
@@ -143,8 +154,8 @@ def main():
     bar_chart(rows, models, memory_key, "GiB", "Peak device memory" if allocator else "Peak resident parameters",
               os.path.join(args.out, "memory.png"), 1.0 / GIB)
     # Memory against speed: lower-left is better.
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = panels(len(models))
+    for ax, model in zip(axes, models):
         for r in rows:
             if r["model"] != model or r["failed"]:
                 continue
