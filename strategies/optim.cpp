@@ -142,4 +142,10 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   param.addcdiv_(state.exp_avg, denom, -c.lr / bias1);
 }
 
+void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state) {
+  if (!param.grad().defined()) return;
+  optimizer_update(config, param, param.grad(), state);
+  param.mutable_grad() = torch::Tensor();
+}
+
 }  // namespace strata

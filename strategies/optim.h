@@ -34,4 +34,8 @@ struct OptimizerState {
 void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
                       OptimizerState& state);
 
+/// optimizer_update() from `param`'s own gradient, which is then released (set_to_none); nothing
+/// happens to a parameter without a gradient.
+void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state);
+
 }  // namespace strata

@@ -62,6 +62,12 @@ std::string compare_named(const std::string& what, const NamedTensors& actual, c
 }
 
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device) {
+  // The tolerances hold for full fp32: TF32 is off for the check and restored on any exit.
+  struct NoTf32 {
+    bool saved = at::globalContext().allowTF32CuBLAS();
+    NoTf32() { at::globalContext().setAllowTF32CuBLAS(false); }
+    ~NoTf32() { at::globalContext().setAllowTF32CuBLAS(saved); }
+  } no_tf32;
   for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw}) {
     StrategyConfig config;
     config.device = device;

@@ -57,7 +57,8 @@ struct ParityResult {
 using StrategyMaker = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 
 /// Runs `steps` steps of each optimizer on the baseline and on `make(config)`; stops at the first
-/// mismatch. `device` is the main device of both.
+/// mismatch. `device` is the main device of both. TF32 is off during the check (the tolerances
+/// are fp32's) and restored after it.
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device);
 /// Same, for a registered strategy.
 ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device);

@@ -57,9 +57,7 @@ void Baseline::optimizer_step() {
   const auto& params = model().parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     auto p = params[i].tensor;
-    if (!p.grad().defined()) continue;
-    optimizer_update(config_.optimizer, p, p.grad(), optimizer_state_[i]);
-    p.mutable_grad() = torch::Tensor();
+    step_and_release_grad(config_.optimizer, p, optimizer_state_[i]);
   }
 }
 

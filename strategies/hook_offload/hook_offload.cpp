@@ -426,16 +426,19 @@ void HookOffload::optimizer_step() {
   }
 }
 
+torch::Tensor HookOffload::host_copy(size_t p, const torch::Tensor& host_flat) const {
+  const auto [u, offset] = param_slot_[p];
+  const auto& t = model_->parameters()[p].tensor;
+  return host_flat.narrow(0, offset, t.numel()).view(t.sizes()).clone();
+}
+
 NamedTensors HookOffload::gradients() {
   const auto& params = model().parameters();
   finish_pending();
   NamedTensors out;
   for (size_t p = 0; p < params.size(); ++p) {
-    const auto [u, offset] = param_slot_[p];
-    const auto& unit = units_[u];
-    const auto& t = params[p].tensor;
-    out.emplace_back(params[p].name, unit.grad_filled ? unit.host_grad.narrow(0, offset, t.numel()).view(t.sizes()).clone()
-                                                      : torch::zeros(t.sizes()));
+    const auto& unit = units_[param_slot_[p].first];
+    out.emplace_back(params[p].name, unit.grad_filled ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes()));
   }
   return out;
 }
@@ -444,11 +447,7 @@ NamedTensors HookOffload::parameters() {
   const auto& params = model().parameters();
   finish_pending();
   NamedTensors out;
-  for (size_t p = 0; p < params.size(); ++p) {
-    const auto [u, offset] = param_slot_[p];
-    const auto& t = params[p].tensor;
-    out.emplace_back(params[p].name, units_[u].host_param.narrow(0, offset, t.numel()).view(t.sizes()).clone());
-  }
+  for (size_t p = 0; p < params.size(); ++p) out.emplace_back(params[p].name, host_copy(p, units_[param_slot_[p].first].host_param));
   return out;
 }
 

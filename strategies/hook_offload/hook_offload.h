@@ -57,7 +57,6 @@ class HookOffload : public Strategy {
   void after_compute(int64_t block, bool backward);
   void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads);
   models::BlockModel& model();
-  device::Stream& compute_stream() { return compute_; }
   bool recompute_block(int64_t block) const;
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
 
@@ -71,6 +70,8 @@ class HookOffload : public Strategy {
   void prefetch_from(int64_t block, bool backward);
   void finish_pending();
   bool merged(int64_t block) const;
+  /// A copy of parameter p's slice of its unit's flat host buffer (values or gradients), shaped.
+  torch::Tensor host_copy(size_t p, const torch::Tensor& host_flat) const;
 
   std::string name_;
   StrategyConfig config_;

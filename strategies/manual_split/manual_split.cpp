@@ -177,7 +177,6 @@ void ManualSplit::attach(models::BlockModel model) {
     STRATA_CHECK(options_.classifier_shards <= classes, "manual_split: classifier_shards=" << options_.classifier_shards
                                                                                            << " exceeds the " << classes
                                                                                            << " classes of the head");
-    head_weight_shape_ = head->weight().sizes().vec();
     const auto k = options_.classifier_shards;
     for (int64_t i = 0; i < k; ++i) {
       const int64_t lo = classes * i / k, hi = classes * (i + 1) / k;
@@ -409,17 +408,11 @@ void ManualSplit::optimizer_step() {
   }
   for (size_t p = 0; p < params.size(); ++p) {
     auto t = params[p].tensor;
-    if (!t.grad().defined()) continue;
-    optimizer_update(config_.optimizer, t, t.grad(), optimizer_state_[p]);
-    t.mutable_grad() = torch::Tensor();
+    step_and_release_grad(config_.optimizer, t, optimizer_state_[p]);
   }
   for (auto& s : shards_) {
-    if (s.weight.grad().defined()) optimizer_update(config_.optimizer, s.weight, s.weight.grad(), s.weight_state);
-    s.weight.mutable_grad() = torch::Tensor();
-    if (s.bias.defined() && s.bias.grad().defined()) {
-      optimizer_update(config_.optimizer, s.bias, s.bias.grad(), s.bias_state);
-      s.bias.mutable_grad() = torch::Tensor();
-    }
+    step_and_release_grad(config_.optimizer, s.weight, s.weight_state);
+    if (s.bias.defined()) step_and_release_grad(config_.optimizer, s.bias, s.bias_state);
   }
   for (auto& r : replicas_) {
     if (options_.sync_replicas) {

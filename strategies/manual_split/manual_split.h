@@ -105,7 +105,6 @@ class ManualSplit : public Strategy {
   };
   std::vector<Shard> shards_;
   int64_t head_weight_ = -1, head_bias_ = -1;  ///< parameter indices of the split head
-  std::vector<int64_t> head_weight_shape_;
 
   int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
 };
