@@ -1,12 +1,15 @@
 #pragma once
 // Shared by the benchmark binaries: the parity check every cell runs before it times anything.
+#include <algorithm>
 #include <map>
 #include <string>
 
 #include "correctness/support/parity.h"
 #include "models/check.h"
 #include "models/model.h"
+#include "strategies/device/device.h"
 #include "strategies/options.h"
+#include "strategies/strategy.h"
 
 namespace strata::bench {
 
@@ -20,18 +23,40 @@ inline const models::ModelConfig& parity_model_for(const models::ModelConfig& co
   return models::preset("mlp-tiny").config;
 }
 
-/// Parity of `strategy` (with `options`) on the tiny model of `config`'s kind, in full fp32.
+/// Parity of `strategy` (with `options`) on the tiny model of `config`'s kind (check_parity runs
+/// it in full fp32 whatever the TF32 setting of the timed run).
 inline correctness::ParityResult check_before_timing(const std::string& strategy, const models::ModelConfig& config,
                                                      const std::map<std::string, std::string>& options,
                                                      const torch::Device& device) {
   correctness::ParityCase small;
   small.model = parity_model_for(config);
   small.options = options;
-  const bool tf32 = at::globalContext().allowTF32CuBLAS();
-  at::globalContext().setAllowTF32CuBLAS(false);
-  auto result = correctness::check_parity(strategy, small, device);
-  at::globalContext().setAllowTF32CuBLAS(tf32);
-  return result;
+  return correctness::check_parity(strategy, small, device);
+}
+
+/// The two warm-up steps every timed run starts with (allocator caches, pinned buffers, cuBLAS
+/// handles), then every device drained and the strategy's counters and peaks reset.
+inline void warm_up(Strategy& strategy, const models::Batch& batch) {
+  for (int i = 0; i < 2; ++i) {
+    strategy.train_step(batch);
+    strategy.optimizer_step();
+  }
+  device::synchronize_all();
+  strategy.reset_stats();
+}
+
+/// The largest peaks over a strategy's devices.
+struct Peaks {
+  int64_t allocated = 0, reserved = 0, params = 0;
+};
+inline Peaks peaks_of(const Stats& stats) {
+  Peaks out;
+  for (const auto& [name, mem] : stats.devices) {
+    out.allocated = std::max(out.allocated, mem.peak_allocated);
+    out.reserved = std::max(out.reserved, mem.peak_reserved);
+    out.params = std::max(out.params, mem.peak_param_bytes);
+  }
+  return out;
 }
 
 /// Out of memory, as CUDA's caching allocator ("out of memory") and the CPU allocator ("can't

@@ -15,7 +15,6 @@
 #include <sstream>
 
 #include "bench/common.h"
-#include "correctness/support/parity.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
 #include "strategies/options.h"
@@ -117,17 +116,9 @@ int run(int argc, char** argv) {
 
   for (const auto& name : args.strategies) {
     // Parity first, on a small model: a strategy that is wrong is not timed.
-    correctness::ParityCase small;
-    small.model = models::preset(preset.config.kind == models::ModelKind::gpt   ? "gpt-tiny"
-                                 : preset.config.kind == models::ModelKind::bert ? "bert-tiny"
-                                                                                 : "mlp-tiny")
-                      .config;
-    at::globalContext().setAllowTF32CuBLAS(false);
-    small.options = bench::options_for(args.options, name);
-    const std::string label = bench::label_with_options(name, small.options);
-    config.options = small.options;
-    const auto parity = correctness::check_parity(name, small, dev);
-    at::globalContext().setAllowTF32CuBLAS(args.tf32);
+    config.options = bench::options_for(args.options, name);
+    const std::string label = bench::label_with_options(name, config.options);
+    const auto parity = bench::check_before_timing(name, preset.config, config.options, dev);
     if (!parity.ok) {
       std::printf("%-22s %-6s %s\n", label.c_str(), "FAIL", parity.message.c_str());
       continue;
@@ -154,19 +145,13 @@ int run(int argc, char** argv) {
         }
         const double t = median(times);
         const auto s = strategy->stats();
-        int64_t peak = 0;
-        for (const auto& [d, m] : s.devices) peak = std::max(peak, m.peak_allocated);
+        const int64_t peak = bench::peaks_of(s).allocated;
         const double h2d = static_cast<double>(s.bytes_h2d) / args.steps;
         std::printf("%-22s %-6s %10.2f %12.0f %10.2f %10.3f %10.1f\n", label.c_str(), "ok", t,
                     static_cast<double>(items) / (t / 1e3), peak / gib, h2d / gb, h2d / gb / (t / 1e3));
         print_per_device(s);
       } else {
-        for (int i = 0; i < 2; ++i) {  // warm-up: allocator caches, pinned buffers, cuBLAS handles
-          strategy->train_step(batch);
-          strategy->optimizer_step();
-        }
-        device::synchronize_all();
-        strategy->reset_stats();
+        bench::warm_up(*strategy, batch);
         std::vector<double> fb, opt, step;
         for (int i = 0; i < args.steps; ++i) {
           const auto start = now();
@@ -180,14 +165,10 @@ int run(int argc, char** argv) {
           step.push_back(ms_since(start));
         }
         const auto s = strategy->stats();
-        int64_t peak = 0, reserved = 0;
-        for (const auto& [d, m] : s.devices) {
-          peak = std::max(peak, m.peak_allocated);
-          reserved = std::max(reserved, m.peak_reserved);
-        }
+        const auto peaks = bench::peaks_of(s);
         const double t = median(step);
         std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", label.c_str(), "ok",
-                    median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peak / gib, reserved / gib,
+                    median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peaks.allocated / gib, peaks.reserved / gib,
                     static_cast<double>(s.bytes_h2d) / args.steps / gb, static_cast<double>(s.bytes_d2h) / args.steps / gb);
         print_per_device(s);
       }

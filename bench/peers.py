@@ -12,7 +12,6 @@ the GPU after a step.
 import argparse
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys

@@ -54,24 +54,21 @@ bool spans_devices(const std::map<std::string, std::string>& options) {
 // device when the work is spread over several.
 class PhaseTimer {
  public:
-  PhaseTimer(const torch::Device& device, bool all_devices) : watch_(device), all_(all_devices) {}
+  PhaseTimer(const torch::Device& device, bool all_devices)
+      : watch_(all_devices ? torch::Device(torch::kCPU) : device), all_(all_devices) {}
   void start() {
-    if (!all_) return watch_.start();
-    device::synchronize_all();
-    host_start_ = std::chrono::steady_clock::now();
+    if (all_) device::synchronize_all();
+    watch_.start();
   }
   void stop() {
-    if (!all_) return watch_.stop();
-    device::synchronize_all();
-    host_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start_).count();
+    if (all_) device::synchronize_all();
+    watch_.stop();
   }
-  double elapsed_ms() { return all_ ? host_ms_ : watch_.elapsed_ms(); }
+  double elapsed_ms() { return watch_.elapsed_ms(); }
 
  private:
   device::Stopwatch watch_;
   bool all_;
-  std::chrono::steady_clock::time_point host_start_;
-  double host_ms_ = 0;
 };
 
 // Dense fp32 matmul rate (TF32 where enabled) on the device: the denominator of MFU.
@@ -104,11 +101,24 @@ double measure_h2d_gbps(const torch::Device& device) {
   return 5.0 * bytes / (watch.elapsed_ms() / 1e3) / 1e9;
 }
 
-void run_cell(benchmark::State& state, const Settings& settings, const std::string& strategy_name,
-              const models::Preset& preset, int index, int total) {
-  const auto options = options_for(settings.options, strategy_name);
-  std::fprintf(stderr, "[%d/%d] %s on %s: parity check\n", index, total,
-               label_with_options(strategy_name, options).c_str(), preset.name.c_str());
+// One cell: a strategy under its options on one preset.
+struct Cell {
+  std::string strategy;
+  std::map<std::string, std::string> options;
+  std::string label;  ///< strategy[options], as in the cell's name
+  models::Preset preset;
+  int index = 0, total = 0;
+};
+
+void run_cell(benchmark::State& state, const Settings& settings, const Cell& cell) {
+  const auto& strategy_name = cell.strategy;
+  const auto& options = cell.options;
+  const auto& preset = cell.preset;
+  auto log = [&](const std::string& what) {
+    std::fprintf(stderr, "[%d/%d] %s on %s: %s\n", cell.index, cell.total, cell.label.c_str(), preset.name.c_str(),
+                 what.c_str());
+  };
+  log("parity check");
   correctness::ParityResult parity;
   try {
     parity = check_before_timing(strategy_name, preset.config, options, settings.device);
@@ -138,13 +148,8 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
     const double flops_per_step = 3.0 * model.forward_flops_per_item() * items;  // forward + backward
     strategy->attach(std::move(model));
     const auto batch = models::make_batch(preset.config, preset.batch_size, 1);
-    std::fprintf(stderr, "[%d/%d] %s on %s: warm-up\n", index, total, strategy_name.c_str(), preset.name.c_str());
-    for (int i = 0; i < 2; ++i) {
-      strategy->train_step(batch);
-      strategy->optimizer_step();
-    }
-    device::synchronize_all();
-    strategy->reset_stats();
+    log("warm-up");
+    warm_up(*strategy, batch);
     double fb_ms = 0, opt_ms = 0;
     int64_t steps = 0;
     const bool all_devices = spans_devices(options);
@@ -163,12 +168,9 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
       state.SetIterationTime((f + o) / 1e3);
     }
     const auto stats = strategy->stats();
-    int64_t peak = 0, reserved = 0, params = 0;
-    for (const auto& [name, mem] : stats.devices) {
-      peak = std::max(peak, mem.peak_allocated);
-      reserved = std::max(reserved, mem.peak_reserved);
-      params = std::max(params, mem.peak_param_bytes);
-      if (stats.devices.size() > 1) {
+    const auto peaks = peaks_of(stats);
+    if (stats.devices.size() > 1) {
+      for (const auto& [name, mem] : stats.devices) {
         state.counters["peak_allocated_bytes." + name] = static_cast<double>(mem.peak_allocated);
         state.counters["peak_reserved_bytes." + name] = static_cast<double>(mem.peak_reserved);
       }
@@ -178,24 +180,25 @@ void run_cell(benchmark::State& state, const Settings& settings, const std::stri
     state.counters["items_per_second"] = Counter(items * steps, Counter::kIsRate);
     state.counters["fwd_bwd_ms"] = fb_ms / steps;
     state.counters["optimizer_ms"] = opt_ms / steps;
-    state.counters["peak_allocated_bytes"] = static_cast<double>(peak);
-    state.counters["peak_reserved_bytes"] = static_cast<double>(reserved);
-    state.counters["peak_param_bytes"] = static_cast<double>(params);
+    state.counters["peak_allocated_bytes"] = static_cast<double>(peaks.allocated);
+    state.counters["peak_reserved_bytes"] = static_cast<double>(peaks.reserved);
+    state.counters["peak_param_bytes"] = static_cast<double>(peaks.params);
     state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;
     state.counters["d2h_bytes_per_step"] = static_cast<double>(stats.bytes_d2h) / steps;
     state.counters["interconnect_bytes_per_step"] = static_cast<double>(stats.bytes_interconnect) / steps;
     state.counters["h2d_GBps"] = static_cast<double>(stats.bytes_h2d) / steps / step_s / 1e9;
     state.counters["mfu"] = flops_per_step / step_s / (settings.peak_tflops * 1e12);
     state.counters["oom"] = 0;
-    std::fprintf(stderr, "[%d/%d] %s on %s: %.1f ms/step\n", index, total, strategy_name.c_str(), preset.name.c_str(),
-                 step_s * 1e3);
+    char line[64];
+    std::snprintf(line, sizeof line, "%.1f ms/step", step_s * 1e3);
+    log(line);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     // Out of memory is a result, not a failure of the run: recorded, and the matrix goes on.
-    state.counters["oom"] = is_oom(what) ? 1 : 0;
-    state.SkipWithError(is_oom(what) ? "out of memory" : what.substr(0, 300).c_str());
-    std::fprintf(stderr, "[%d/%d] %s on %s: %s\n", index, total, strategy_name.c_str(), preset.name.c_str(),
-                 is_oom(what) ? "out of memory" : "error");
+    const bool oom = is_oom(what);
+    state.counters["oom"] = oom ? 1 : 0;
+    state.SkipWithError(oom ? "out of memory" : what.substr(0, 300).c_str());
+    log(oom ? "out of memory" : "error");
   }
 }
 
@@ -259,12 +262,11 @@ int run(int argc, char** argv) {
     }
     preset.name = label_with_options(m, overrides);
     for (const auto& st : s.strategies) {
-      ++index;
-      const auto cell = label_with_options(st, options_for(s.options, st)) + "/" + preset.name;
-      benchmark::RegisterBenchmark(cell.c_str(),
-                                   [s, st, preset, index, total](benchmark::State& state) {
-                                     run_cell(state, s, st, preset, index, total);
-                                   })
+      Cell cell{st, options_for(s.options, st), "", preset, ++index, total};
+      cell.label = label_with_options(st, cell.options);
+      // `s` outlives the run of every registered benchmark (RunSpecifiedBenchmarks below).
+      benchmark::RegisterBenchmark((cell.label + "/" + preset.name).c_str(),
+                                   [&s, cell](benchmark::State& state) { run_cell(state, s, cell); })
           ->UseManualTime()
           ->Iterations(s.steps)
           ->Unit(benchmark::kMillisecond);

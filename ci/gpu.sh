@@ -58,6 +58,8 @@ if [ "$gpu_count" -gt 1 ]; then
   echo "ci/gpu.sh: cells over two GPUs"
   wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/NOTES.md: one H200 trains at most 7,968,750
   two=cuda:0,cuda:1
+  # The matrix's measured matmul peak, so every cell's MFU has the same denominator.
+  peak=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["peak_tflops"])' "$outdir/bench.json")
   cells=(
     "gpt|--models=gpt-871m --strategies=manual_split --options=devices=$two"
     "seed|--models=bert-base-6m --batch=8 --strategies=baseline,manual_split --options=manual_split:devices=$two"
@@ -69,7 +71,7 @@ if [ "$gpu_count" -gt 1 ]; then
   for cell in "${cells[@]}"; do
     tag=${cell%%|*}
     read -r -a cell_args <<< "${cell#*|}"
-    ./build/cuda/bench/strata_bench --device=cuda:0 ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
+    ./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
       --benchmark_out="$outdir/bench-2gpu-$tag.json" --benchmark_out_format=json > "$outdir/bench-2gpu-$tag.txt" 2>&1 || status=1
     grep -E "^(baseline|manual_split)" "$outdir/bench-2gpu-$tag.txt" | cut -c1-160
     cell_files+=("$outdir/bench-2gpu-$tag.json")

@@ -4,12 +4,10 @@ plots for one machine: throughput and peak memory per strategy and model, the me
 trade-off, achieved host-to-device bandwidth against the link, and strata's figures as ratios to
 PyTorch's own equivalents measured in the same run.
 
-  python3 reports/make_report.py --strata bench.json [--strata more.json ...] [--peers peers.json] \
-      --out reports/h200 [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
+  python3 reports/make_report.py --strata bench.json [--peers peers.json] --out reports/h200 \
+      [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
 
-Several --strata files (e.g. the matrix and the cells over two GPUs) are read as one run; the
-context (device, peak, link) is the first file's. Cells that spread over several devices get a
-table of peak memory per device.
+Cells that spread over several devices get a table of peak memory per device.
 """
 import argparse
 import json
@@ -81,16 +79,14 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--strata", required=True, action="append")
+    ap.add_argument("--strata", required=True)
     ap.add_argument("--peers")
     ap.add_argument("--out", required=True)
     ap.add_argument("--machine", default="")
     ap.add_argument("--command", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    context, rows = load(args.strata[0], "strata")
-    for extra in args.strata[1:]:
-        rows += load(extra, "strata")[1]
+    context, rows = load(args.strata, "strata")
     peer_context = {}
     if args.peers and os.path.exists(args.peers):
         peer_context, peer_rows = load(args.peers, "peer")
