@@ -270,3 +270,45 @@ TEST(HookOffload, a_failed_step_leaves_nothing_held_and_the_next_step_works) {
 }
 }  // namespace
 }  // namespace strata
+
+#include "correctness/support/chain.h"
+
+namespace strata {
+namespace {
+
+TEST(HookOffload, frozen_parameters_are_never_sent_back) {
+  // Every block's own unit; blocks 1 and 2 are (partly) frozen: only trainable bytes travel back.
+  const auto spec = correctness::ChainSpec::parse("chain(in=3 width=4 classes=3 blocks=frozen,frozen_block,lin)");
+  auto model = spec.build(0);
+  int64_t trainable = 0;
+  for (const auto& p : model.parameters())
+    if (p.tensor.requires_grad()) trainable += p.tensor.numel() * 4;
+  auto s = make_offload({});
+  s->attach(std::move(model));
+  s->reset_stats();
+  s->train_step(spec.make_batch(3, 1));
+  EXPECT_EQ(s->stats().bytes_d2h, trainable);
+  s->optimizer_step();
+  const auto after = s->parameters();
+  const auto before = spec.build(0).parameters();
+  for (size_t i = 0; i < before.size(); ++i) {
+    if (before[i].tensor.requires_grad()) continue;
+    EXPECT_TRUE(torch::equal(after[i].second, before[i].tensor)) << before[i].name << " moved";
+  }
+}
+
+TEST(HookOffload, buffers_live_on_the_device_and_a_recompute_updates_them_once) {
+  const auto spec = correctness::ChainSpec::parse("chain(in=3 width=4 classes=3 blocks=lin,bn,table)");
+  for (const char* activations : {"recompute", "keep"}) {
+    auto s = make_offload({{"activations", activations}, {"merge_last", "0"}});
+    s->attach(spec.build(0));
+    for (const auto& b : s->model().buffers()) EXPECT_EQ(b.tensor.device(), test::device()) << b.name;
+    s->train_step(spec.make_batch(4, 1));
+    for (const auto& [name, t] : s->buffers())
+      if (name == "2.norm.num_batches_tracked") EXPECT_EQ(t.item<int64_t>(), 1) << activations;
+    s->optimizer_step();
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -114,3 +114,70 @@ TEST(Models, flops_per_item_match_the_hand_count) {
 
 }  // namespace
 }  // namespace strata
+
+#include "correctness/support/chain.h"
+#include "models/check.h"
+
+namespace strata {
+namespace {
+
+TEST(Models, config_text_reads_back) {
+  for (const auto& p : models::presets()) {
+    const auto text = p.config.to_string();
+    EXPECT_EQ(models::ModelConfig::parse(text).to_string(), text);
+  }
+  EXPECT_THROW(models::ModelConfig::parse("gpt(depth=1 width=2 heads=1 vocab=5 seq_len=2 tied=0 colour=3)"), Error);
+  EXPECT_THROW(models::ModelConfig::parse("gpt(depth=1 width=2)"), Error);
+  EXPECT_THROW(models::ModelConfig::parse("gpt(depth=x width=2 heads=1 vocab=5 seq_len=2 tied=0)"), Error);
+}
+
+TEST(Models, buffers_have_canonical_names_and_a_shared_one_appears_once) {
+  auto model = correctness::ChainSpec::parse("chain(in=2 width=4 classes=3 blocks=bn,table)").build(0);
+  std::vector<std::string> names;
+  for (const auto& b : model.buffers()) names.push_back(b.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"1.norm.running_mean", "1.norm.running_var", "1.norm.num_batches_tracked",
+                                             "2.scale", "2.shift"}));
+  // A user's table held by two blocks is one buffer, under the first block's name.
+  struct Holder : models::Block {
+    explicit Holder(torch::Tensor t) { table = register_buffer("table", std::move(t)); }
+    torch::Tensor forward(const torch::Tensor& x) override { return x + table; }
+    torch::Tensor table;
+  };
+  auto shared = torch::ones({4});
+  models::BlockModel two(models::ModelConfig{}, {std::make_shared<Holder>(shared), std::make_shared<Holder>(shared)});
+  ASSERT_EQ(two.buffers().size(), 1u);
+  EXPECT_EQ(two.buffers()[0].name, "0.table");
+  EXPECT_EQ(two.block_buffers()[1], std::vector<int64_t>{0});
+}
+
+TEST(Models, loss_leaves_ignored_targets_out_of_sum_and_count) {
+  auto model = models::build_model(models::preset("mlp-tiny").config, 0);
+  auto logits = torch::randn({5, 8});
+  const int64_t ignored = models::kIgnoreIndex;
+  auto target = torch::tensor({int64_t{1}, ignored, int64_t{3}, ignored, int64_t{0}});
+  auto kept = torch::tensor({0, 2, 4});
+  const double with_ignored = model.loss(logits, target).item<double>();
+  const double on_kept = model.loss(logits.index_select(0, kept), target.index_select(0, kept)).item<double>();
+  EXPECT_NEAR(with_ignored, on_kept, 1e-6);
+}
+
+TEST(Models, chains_are_deterministic_and_freeze_what_they_say) {
+  const auto spec = correctness::ChainSpec::parse("chain(in=3 width=4 classes=5 blocks=frozen,shared0,frozen_block,shared0)");
+  auto a = spec.build(9), b = spec.build(9);
+  ASSERT_EQ(a.parameters().size(), b.parameters().size());
+  for (size_t i = 0; i < a.parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(a.parameters()[i].tensor, b.parameters()[i].tensor)) << a.parameters()[i].name;
+  std::map<std::string, bool> trains;
+  for (const auto& p : a.parameters()) trains[p.name] = p.tensor.requires_grad();
+  EXPECT_FALSE(trains.at("1.linear.weight"));
+  EXPECT_TRUE(trains.at("1.linear.bias"));
+  EXPECT_FALSE(trains.at("3.linear.weight"));
+  EXPECT_FALSE(trains.at("3.linear.bias"));
+  // shared0 is one parameter of blocks 2 and 4, named after block 2.
+  EXPECT_TRUE(a.has_tied_parameters());
+  EXPECT_EQ(trains.count("4.weight"), 0u);
+  EXPECT_TRUE(trains.at("2.weight"));
+}
+
+}  // namespace
+}  // namespace strata

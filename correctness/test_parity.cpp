@@ -1,34 +1,51 @@
 // Parity of every registered strategy with the baseline: rapidcheck properties over generated
-// models (tied and untied, odd sizes), batch sizes and seeds, plus the tiny presets; and a check
-// that the checker itself catches a wrong strategy.
+// preset-kind models and chains of library blocks (buffers, frozen and shared parameters, ignored
+// targets), the tiny presets, fixed own-model cases, the committed regression cases; and checks
+// that the checker itself catches wrong strategies and accepts rounding.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 
+#include <cmath>
+
+#include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
+#include "correctness/support/regressions.h"
 #include "correctness/support/test_device.h"
 #include "strategies/baseline/baseline.h"
 
 namespace strata::correctness {
 namespace {
 
-std::vector<std::string> machine_devices() {
-  std::vector<std::string> out{test::device().str()};
-  return out;
-}
+using ::testing::HasSubstr;
+
+std::vector<std::string> machine_devices() { return {test::device().str()}; }
 
 class Parity : public ::testing::TestWithParam<std::string> {};
 
+// A failing property records its shrunk case where the explorer asks (STRATA_FAILURES_FILE).
+bool check_property(const std::string& strategy, const std::string& description,
+                    const std::function<rc::Gen<ParityCase>()>& gen) {
+  const auto device = test::device();
+  std::optional<std::pair<ParityCase, std::string>> last_failure;
+  const bool ok = rc::check(description, [&] {
+    const auto c = *gen();
+    RC_TAG(c.chain ? std::string("chain") : models::to_string(c.model.kind));
+    const auto r = check_parity(strategy, c, device);
+    if (!r.ok) {
+      last_failure = {c, r.message};  // shrinking ends on the smallest failing case
+      RC_FAIL(r.message);
+    }
+  });
+  if (!ok && last_failure && !failures_file().empty())
+    append_regression(failures_file(), strategy, device, last_failure->first, last_failure->second);
+  return ok;
+}
+
 TEST_P(Parity, prop_matches_baseline) {
   const auto strategy = GetParam();
-  const auto device = test::device();
-  const bool ok = rc::check("parity of " + strategy + " on " + device.str(), [&] {
-    const auto c = *gen_parity_case(strategy, machine_devices());
-    RC_CLASSIFY(c.model.tied, "tied");
-    RC_TAG(models::to_string(c.model.kind));
-    const auto r = check_parity(strategy, c, device);
-    if (!r.ok) RC_FAIL(r.message);
-  });
-  EXPECT_TRUE(ok);
+  EXPECT_TRUE(check_property(strategy, "parity of " + strategy + " on " + test::device().str(),
+                             [&] { return gen_parity_case(strategy, machine_devices()); }));
 }
 
 TEST_P(Parity, tiny_presets_match_baseline) {
@@ -42,19 +59,53 @@ TEST_P(Parity, tiny_presets_match_baseline) {
   }
 }
 
-TEST_P(Parity, leaves_the_model_usable_for_more_steps) {
-  // Ten steps in a row, forward-only in between: the state a step leaves must serve the next.
-  ParityCase c;
-  c.model = models::preset("gpt-tiny").config;
-  c.steps = 10;
+// Users' own models, fixed: every library block, frozen weights and whole frozen blocks (one of
+// them sharing its weight), a parameter shared by three blocks, buffers updated in forward and
+// fixed ones, ignored targets.
+const std::vector<std::string> kOwnModels = {
+    "chain(in=3 width=4 classes=5 blocks=lin,bn,act,table,frozen,conv2,frozen_block,lin)",
+    "chain(in=5 width=6 classes=4 blocks=shared0,act,shared0,bn,shared0,conv3,table)",
+    "chain(in=2 width=3 classes=3 blocks=frozen_block,act,lin)",
+    "chain(in=4 width=4 classes=6 blocks=)",
+};
+
+TEST_P(Parity, own_models_match_baseline) {
+  for (const auto& spec : kOwnModels) {
+    ParityCase c;
+    c.chain = ChainSpec::parse(spec);
+    c.batch_size = 4;
+    c.seed = 3;
+    c.ignore_targets = true;
+    const auto r = check_parity(GetParam(), c, test::device());
+    EXPECT_TRUE(r.ok) << c.to_string() << ": " << r.message;
+  }
+}
+
+TEST_P(Parity, a_second_attach_is_refused) {
   StrategyConfig config;
   config.device = test::device();
   auto s = Registry::create(GetParam(), config);
-  s->attach(models::build_model(c.model, 1));
-  auto batch = models::make_batch(c.model, 2, 5);
+  const auto c = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(c, 1));
+  auto batch = models::make_batch(c, 2, 5);
+  const double before = s->train_step(batch);
+  EXPECT_THAT(test::error_of([&] { s->attach(models::build_model(c, 2)); }), HasSubstr("attach() was already called"));
+  // The first model is untouched by the refused call.
+  s->optimizer_step();
+  EXPECT_LT(s->train_step(batch), before);
+}
+
+TEST_P(Parity, leaves_the_model_usable_for_more_steps) {
+  // Ten steps in a row, forward-only in between: the state a step leaves must serve the next.
+  const auto model = models::preset("gpt-tiny").config;
+  StrategyConfig config;
+  config.device = test::device();
+  auto s = Registry::create(GetParam(), config);
+  s->attach(models::build_model(model, 1));
+  auto batch = models::make_batch(model, 2, 5);
   const double first = s->train_step(batch);
   s->optimizer_step();
-  for (int i = 0; i < c.steps; ++i) {
+  for (int i = 0; i < 10; ++i) {
     s->forward(batch.input);
     s->train_step(batch);
     s->optimizer_step();
@@ -66,7 +117,49 @@ TEST_P(Parity, leaves_the_model_usable_for_more_steps) {
 INSTANTIATE_TEST_SUITE_P(Registered, Parity, ::testing::ValuesIn(Registry::names()),
                          [](const auto& info) { return info.param; });
 
-// A strategy with a classic bug: it runs backward twice, so every gradient is doubled.
+// Every committed failure case, replayed on the device kind it names.
+TEST(Regressions, every_recorded_case_passes) {
+  const auto kind = test::device().is_cuda() ? "cuda" : "cpu";
+  int replayed = 0;
+  for (const auto& r : read_regressions(regressions_file())) {
+    if (r.device != kind) continue;
+    const auto result = check_parity(r.strategy, r.parity, test::device());
+    EXPECT_TRUE(result.ok) << regressions_file() << ":" << r.line << ": " << r.strategy << " " << r.parity.to_string()
+                           << ": " << result.message;
+    ++replayed;
+  }
+  std::cout << "replayed " << replayed << " recorded cases for " << kind << "\n";
+}
+
+TEST(Regressions, the_file_parses_and_names_registered_strategies) {
+  const auto cases = read_regressions(regressions_file());
+  EXPECT_FALSE(cases.empty());
+  const auto names = Registry::names();
+  for (const auto& r : cases) {
+    EXPECT_NE(std::find(names.begin(), names.end(), r.strategy), names.end()) << "line " << r.line;
+    // The text form reads back to the same case.
+    EXPECT_EQ(ParityCase::parse(r.parity.to_string()).to_string(), r.parity.to_string()) << "line " << r.line;
+  }
+}
+
+TEST(Regressions, an_appended_case_reads_back) {
+  const auto path = ::testing::TempDir() + "strata_regressions_test.txt";
+  std::remove(path.c_str());
+  ParityCase c;
+  c.chain = ChainSpec::parse("chain(in=2 width=3 classes=3 blocks=bn,shared0,shared0)");
+  c.ignore_targets = true;
+  c.options = {{"balance", "2,3"}};
+  append_regression(path, "manual_split", torch::Device(torch::kCPU), c, "a message\nover two lines");
+  const auto cases = read_regressions(path);
+  ASSERT_EQ(cases.size(), 1u);
+  EXPECT_EQ(cases[0].strategy, "manual_split");
+  EXPECT_EQ(cases[0].device, "cpu");
+  EXPECT_EQ(cases[0].parity.to_string(), c.to_string());
+}
+
+// Strategies with classic bugs, each of which the checker must catch.
+
+// Runs backward twice, so every gradient is doubled.
 class DoubleBackward : public Baseline {
  public:
   explicit DoubleBackward(const StrategyConfig& c) : Baseline("double_backward", c, {}) {}
@@ -76,13 +169,94 @@ class DoubleBackward : public Baseline {
   }
 };
 
+// Runs one extra forward per step (a recompute that forgot the buffers): running statistics move twice.
+class DoubleBufferUpdate : public Baseline {
+ public:
+  explicit DoubleBufferUpdate(const StrategyConfig& c) : Baseline("double_buffer_update", c, {}) {}
+  double train_step(const models::Batch& batch) override {
+    Baseline::forward(batch.input);
+    return Baseline::train_step(batch);
+  }
+};
+
+// Trains every parameter, frozen ones included.
+class TrainsFrozen : public Baseline {
+ public:
+  explicit TrainsFrozen(const StrategyConfig& c) : Baseline("trains_frozen", c, {}) {}
+
+ protected:
+  void attach_model(models::BlockModel model) override {
+    for (const auto& p : model.parameters()) p.tensor.requires_grad_(true);
+    Baseline::attach_model(std::move(model));
+  }
+};
+
+// Right, but every reported value one ulp away from the baseline's: rounding, which must pass.
+class OffByOneUlp : public Baseline {
+ public:
+  explicit OffByOneUlp(const StrategyConfig& c) : Baseline("off_by_one_ulp", c, {}) {}
+  double train_step(const models::Batch& batch) override {
+    return std::nextafter(static_cast<float>(Baseline::train_step(batch)), 1e30f);
+  }
+  NamedTensors gradients() override { return moved(Baseline::gradients()); }
+  NamedTensors parameters() override { return moved(Baseline::parameters()); }
+  NamedTensors buffers() override { return moved(Baseline::buffers()); }
+
+ private:
+  static NamedTensors moved(NamedTensors list) {
+    for (auto& [name, t] : list) {
+      if (t.scalar_type() != torch::kFloat) continue;
+      t = t.contiguous();
+      auto* data = t.data_ptr<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) data[i] = std::nextafter(data[i], i % 2 ? 1e30f : -1e30f);
+    }
+    return list;
+  }
+};
+
+template <typename S>
+ParityResult check_with(const ParityCase& c) {
+  return check_parity([](const StrategyConfig& cfg) { return std::make_unique<S>(cfg); }, c, test::device());
+}
+
+ParityCase own_model(const std::string& spec) {
+  ParityCase c;
+  c.chain = ChainSpec::parse(spec);
+  c.batch_size = 4;
+  c.seed = 5;
+  return c;
+}
+
 TEST(ParityChecker, catches_a_doubled_gradient) {
   ParityCase c;
   c.model = models::preset("gpt-tiny").config;
-  const auto r = check_parity([](const StrategyConfig& cfg) { return std::make_unique<DoubleBackward>(cfg); }, c,
-                              test::device());
+  for (const auto& pc : {c, own_model(kOwnModels[0])}) {
+    const auto r = check_with<DoubleBackward>(pc);
+    EXPECT_FALSE(r.ok) << pc.to_string();
+    EXPECT_THAT(r.message, HasSubstr("gradient")) << pc.to_string();
+  }
+}
+
+TEST(ParityChecker, catches_buffers_updated_twice) {
+  const auto r = check_with<DoubleBufferUpdate>(own_model("chain(in=3 width=4 classes=3 blocks=lin,bn)"));
   EXPECT_FALSE(r.ok);
-  EXPECT_NE(r.message.find("gradient"), std::string::npos) << r.message;
+  EXPECT_THAT(r.message, HasSubstr("buffer"));
+}
+
+TEST(ParityChecker, catches_frozen_parameters_that_train) {
+  // Block 1 is the frozen linear: its weight must neither get a gradient nor move.
+  const auto r = check_with<TrainsFrozen>(own_model("chain(in=3 width=4 classes=3 blocks=frozen,act,frozen_block)"));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.message, HasSubstr("'1.linear.weight'"));
+}
+
+TEST(ParityChecker, accepts_an_error_of_one_ulp_everywhere) {
+  ParityCase c;
+  c.model = models::preset("gpt-tiny").config;
+  for (const auto& pc : {c, own_model(kOwnModels[0]), own_model(kOwnModels[1])}) {
+    const auto r = check_with<OffByOneUlp>(pc);
+    EXPECT_TRUE(r.ok) << pc.to_string() << ": " << r.message;
+  }
 }
 
 TEST(ParityChecker, property_fails_and_shrinks_for_a_wrong_strategy) {
@@ -96,17 +270,51 @@ TEST(ParityChecker, property_fails_and_shrinks_for_a_wrong_strategy) {
   EXPECT_FALSE(ok);
 }
 
-TEST(ParityChecker, compares_names_shapes_and_values) {
-  NamedTensors a{{"w", torch::ones({2, 2})}}, b{{"w", torch::ones({2, 2})}};
-  EXPECT_EQ(compare_named("x", a, b, kCpuTolerance), "");
-  NamedTensors renamed{{"v", torch::ones({2, 2})}};
-  EXPECT_NE(compare_named("x", renamed, b, kCpuTolerance).find("name 'v'"), std::string::npos);
-  NamedTensors reshaped{{"w", torch::ones({4})}};
-  EXPECT_NE(compare_named("x", reshaped, b, kCpuTolerance).find("shape"), std::string::npos);
-  NamedTensors off{{"w", torch::ones({2, 2}) * (1 + 1e-3)}};
-  EXPECT_NE(compare_named("x", off, b, kCpuTolerance).find("max|diff|"), std::string::npos);
-  NamedTensors nan{{"w", torch::full({2, 2}, std::nan(""))}};
-  EXPECT_NE(compare_named("x", nan, b, kCpuTolerance).find("non-finite"), std::string::npos);
+TEST(ParityChecker, bound_is_a_multiple_of_the_baseline_error_plus_a_floor) {
+  const auto u = kFp32UnitRoundoff;
+  NamedTensors reference{{"w", torch::tensor({1.0, -2.0}, torch::kDouble)}};
+  NamedTensors baseline{{"w", torch::tensor({1.0 + 1e-6, -2.0}, torch::kDouble)}};
+  const Scales scales{2.0};
+  const double bound = kReferenceErrorMultiple * 1e-6 + kRoundingFloorUlps * u * 2.0 + kFp32SmallestNormal;
+  auto with_error = [&](double e) {
+    NamedTensors actual{{"w", torch::tensor({1.0, -2.0 + e}, torch::kDouble)}};
+    return compare_to_reference("x", actual, {baseline}, reference, scales);
+  };
+  EXPECT_EQ(with_error(0.99 * bound), "");
+  EXPECT_THAT(with_error(1.01 * bound), HasSubstr("max|strategy - fp64|"));
+  NamedTensors renamed{{"v", torch::ones({2})}};
+  EXPECT_THAT(compare_to_reference("x", renamed, {baseline}, reference, scales), HasSubstr("name 'v'"));
+  NamedTensors reshaped{{"w", torch::ones({1, 2})}};
+  EXPECT_THAT(compare_to_reference("x", reshaped, {baseline}, reference, scales), HasSubstr("shape"));
+  NamedTensors nan{{"w", torch::full({2}, std::nan(""))}};
+  EXPECT_THAT(compare_to_reference("x", nan, {baseline}, reference, scales), HasSubstr("non-finite"));
+}
+
+TEST(ParityCases, text_form_reads_back) {
+  const std::string issue_case =
+      "gpt(depth=1 width=2 heads=1 vocab=5 seq_len=2 tied=0) batch=1 seed=145 steps=3 balance=3 "
+      "classifier_shards=2 devices=cpu";
+  const auto c = ParityCase::parse(issue_case);
+  EXPECT_EQ(c.to_string(), issue_case);
+  EXPECT_EQ(c.batch_size, 1);
+  EXPECT_EQ(c.seed, 145u);
+  EXPECT_EQ(c.options.at("classifier_shards"), "2");
+  EXPECT_THAT(test::error_of([] { ParityCase::parse("gpt(depth=1) batch=2"); }), HasSubstr("needs width"));
+  EXPECT_THAT(test::error_of([] { ParityCase::parse("chain(in=2 width=3 classes=2 blocks=lin,mystery)"); }),
+              HasSubstr("unknown block 'mystery'"));
+  EXPECT_THAT(test::error_of([] { ParityCase::parse("chain(in=2 width=4 classes=2 blocks=conv3)"); }),
+              HasSubstr("'conv3' needs a channel count dividing width=4"));
+}
+
+TEST(ParityCases, ignored_targets_are_some_but_never_all) {
+  ParityCase c;
+  c.model = models::preset("gpt-tiny").config;
+  c.batch_size = 3;
+  c.ignore_targets = true;
+  const auto target = c.batch(0).target;
+  const auto ignored = (target == models::kIgnoreIndex).sum().item<int64_t>();
+  EXPECT_GT(ignored, 0);
+  EXPECT_LT(ignored, target.numel());
 }
 
 }  // namespace
@@ -119,6 +327,8 @@ TEST(Generators, block_count_matches_the_built_model) {
     const auto& c = models::preset(name).config;
     EXPECT_EQ(block_count(c), models::build_model(c, 0).num_blocks()) << name;
   }
+  const auto chain = ChainSpec::parse(kOwnModels[0]);
+  EXPECT_EQ(chain.num_blocks(), chain.build(0).num_blocks());
 }
 }  // namespace
 }  // namespace strata::correctness

@@ -10,6 +10,7 @@
 
 #include "models/builders.h"
 #include "models/check.h"
+#include "models/text.h"
 #include "models/threads.h"
 
 namespace strata::models {
@@ -19,6 +20,7 @@ std::string to_string(ModelKind kind) {
     case ModelKind::mlp: return "mlp";
     case ModelKind::gpt: return "gpt";
     case ModelKind::bert: return "bert";
+    case ModelKind::custom: return "custom";
   }
   return "?";
 }
@@ -27,11 +29,13 @@ ModelKind parse_model_kind(const std::string& name) {
   if (name == "mlp") return ModelKind::mlp;
   if (name == "gpt") return ModelKind::gpt;
   if (name == "bert") return ModelKind::bert;
-  STRATA_FAIL("unknown model kind '" << name << "'; known kinds: mlp, gpt, bert");
+  if (name == "custom") return ModelKind::custom;
+  STRATA_FAIL("unknown model kind '" << name << "'; known kinds: mlp, gpt, bert, custom");
 }
 
 void ModelConfig::validate() const {
   const auto kind_name = models::to_string(kind);
+  if (kind == ModelKind::custom) return;  // the user's blocks say what they are
   STRATA_CHECK(depth >= 1, kind_name << ": depth=" << depth << " must be at least 1");
   STRATA_CHECK(width >= 1, kind_name << ": width=" << width << " must be at least 1");
   if (kind == ModelKind::mlp) {
@@ -55,6 +59,7 @@ void ModelConfig::validate() const {
 
 std::string ModelConfig::to_string() const {
   std::ostringstream out;
+  if (kind == ModelKind::custom) return "custom()";
   out << models::to_string(kind) << "(depth=" << depth << " width=" << width;
   if (kind == ModelKind::mlp) {
     out << " in_features=" << in_features << " classes=" << classes;
@@ -67,32 +72,77 @@ std::string ModelConfig::to_string() const {
   return out.str();
 }
 
-BlockModel::BlockModel(ModelConfig config, std::vector<std::shared_ptr<Block>> blocks)
-    : config_(std::move(config)), blocks_(std::move(blocks)) {
-  // Canonical names: the first name a parameter gets walking the blocks in order; a tied parameter
-  // is recognised by its TensorImpl, never by its name.
+namespace {
+
+// Canonical names: the first name a tensor gets walking the blocks in order; a tensor held by
+// several blocks (a tied parameter, a shared table) is recognised by its TensorImpl, never by its
+// name, and listed once.
+void index_by_identity(const std::vector<std::shared_ptr<Block>>& blocks,
+                       const std::function<torch::OrderedDict<std::string, torch::Tensor>(Block&)>& named,
+                       std::vector<NamedParameter>& all, std::vector<std::vector<int64_t>>& per_block) {
   std::unordered_map<const void*, int64_t> index_of;
-  block_parameters_.resize(blocks_.size());
-  for (size_t b = 0; b < blocks_.size(); ++b) {
-    for (const auto& item : blocks_[b]->named_parameters(/*recurse=*/true)) {
+  per_block.assign(blocks.size(), {});
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    for (const auto& item : named(*blocks[b])) {
+      if (!item.value().defined()) continue;  // a registered but empty slot
       const void* key = item.value().unsafeGetTensorImpl();
       auto found = index_of.find(key);
       int64_t index;
       if (found == index_of.end()) {
-        index = static_cast<int64_t>(parameters_.size());
+        index = static_cast<int64_t>(all.size());
         index_of.emplace(key, index);
-        parameters_.push_back({std::to_string(b) + "." + item.key(), item.value(), static_cast<int64_t>(b)});
+        all.push_back({std::to_string(b) + "." + item.key(), item.value(), static_cast<int64_t>(b)});
       } else {
         index = found->second;
       }
-      auto& uses = block_parameters_[b];
+      auto& uses = per_block[b];
       if (std::find(uses.begin(), uses.end(), index) == uses.end()) uses.push_back(index);
     }
   }
 }
 
+}  // namespace
+
+ModelConfig ModelConfig::parse(const std::string& text) {
+  const auto call = parse_call(text);
+  ModelConfig c;
+  c.kind = parse_model_kind(call.name);
+  std::vector<std::string> keys;
+  switch (c.kind) {
+    case ModelKind::mlp: keys = {"depth", "width", "in_features", "classes", "tied"}; break;
+    case ModelKind::gpt: keys = {"depth", "width", "heads", "vocab", "seq_len", "tied"}; break;
+    case ModelKind::bert: keys = {"depth", "width", "heads", "vocab", "seq_len", "classes"}; c.tied = false; break;
+    case ModelKind::custom: break;
+  }
+  for (const auto& [key, value] : call.args)
+    STRATA_CHECK(std::find(keys.begin(), keys.end(), key) != keys.end(),
+                 "'" << text << "': " << call.name << " has no field '" << key << "'");
+  const std::map<std::string, int64_t*> fields = {{"depth", &c.depth},     {"width", &c.width},
+                                                  {"heads", &c.heads},     {"vocab", &c.vocab},
+                                                  {"seq_len", &c.seq_len}, {"classes", &c.classes},
+                                                  {"in_features", &c.in_features}};
+  for (const auto& key : keys) {
+    if (key == "tied") {
+      c.tied = int_arg(call, key) != 0;
+    } else {
+      *fields.at(key) = int_arg(call, key);
+    }
+  }
+  c.validate();
+  return c;
+}
+
+BlockModel::BlockModel(ModelConfig config, std::vector<std::shared_ptr<Block>> blocks)
+    : config_(std::move(config)), blocks_(std::move(blocks)) {
+  index_by_identity(blocks_, [](Block& b) { return b.named_parameters(/*recurse=*/true); }, parameters_,
+                    block_parameters_);
+  index_by_identity(blocks_, [](Block& b) { return b.named_buffers(/*recurse=*/true); }, buffers_, block_buffers_);
+}
+
 torch::Tensor BlockModel::loss(const torch::Tensor& output, const torch::Tensor& target) const {
-  return torch::nn::functional::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}));
+  namespace F = torch::nn::functional;
+  return F::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}),
+                          F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex));
 }
 
 bool BlockModel::has_tied_parameters() const {
@@ -126,6 +176,7 @@ double BlockModel::forward_flops_per_item() const {
       return 2.0 * (L * 12.0 * d * d + config_.vocab * d) + L * 4.0 * T * d;
     case ModelKind::bert:  // per sample: T tokens through the encoder, then pooler and classifier
       return T * (2.0 * L * 12.0 * d * d + L * 4.0 * T * d) + 2.0 * d * d + 2.0 * d * config_.classes;
+    case ModelKind::custom: return 0.0;  // unknown: the user's blocks
   }
   return 0.0;
 }
@@ -186,6 +237,8 @@ BlockModel build_model(const ModelConfig& config, uint64_t seed) {
     case ModelKind::mlp: blocks = detail::build_mlp_blocks(config); break;
     case ModelKind::gpt: blocks = detail::build_gpt_blocks(config); break;
     case ModelKind::bert: blocks = detail::build_bert_blocks(config); break;
+    case ModelKind::custom:
+      STRATA_FAIL("build_model: a custom model is built from its own blocks with BlockModel(config, blocks)");
   }
   BlockModel model(config, std::move(blocks));
   initialise(model, seed);
@@ -194,6 +247,7 @@ BlockModel build_model(const ModelConfig& config, uint64_t seed) {
 
 Batch make_batch(const ModelConfig& config, int64_t batch_size, uint64_t seed) {
   config.validate();
+  STRATA_CHECK(config.kind != ModelKind::custom, "make_batch: a custom model makes its own batches");
   STRATA_CHECK(batch_size >= 1, "batch_size=" << batch_size << " must be at least 1");
   auto gen = at::detail::createCPUGenerator(seed ^ 0x5eedba7c4ULL);
   const auto i64 = torch::TensorOptions().dtype(torch::kLong);
@@ -214,6 +268,7 @@ Batch make_batch(const ModelConfig& config, int64_t batch_size, uint64_t seed) {
       auto y = torch::randint(config.classes, {batch_size}, gen, i64);
       return {tokens, y};
     }
+    case ModelKind::custom: break;
   }
   return {};
 }

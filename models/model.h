@@ -10,9 +10,14 @@
 
 namespace strata::models {
 
-enum class ModelKind { mlp, gpt, bert };
+/// The reference models, and `custom` for a model built from a user's own blocks with
+/// BlockModel(config, blocks), whose config fields then describe nothing.
+enum class ModelKind { mlp, gpt, bert, custom };
 
-/// Name <-> kind ("mlp", "gpt", "bert"); an unknown name is an Error that lists the known ones.
+/// Targets equal to this are left out of the loss and of its mean (as PyTorch's cross_entropy).
+inline constexpr int64_t kIgnoreIndex = -100;
+
+/// Name <-> kind ("mlp", "gpt", "bert", "custom"); an unknown name is an Error that lists the known ones.
 std::string to_string(ModelKind kind);
 ModelKind parse_model_kind(const std::string& name);
 
@@ -32,6 +37,9 @@ struct ModelConfig {
   void validate() const;
   /// One line, e.g. "gpt(depth=2 width=32 heads=4 vocab=64 seq_len=8 tied=1)".
   std::string to_string() const;
+  /// The inverse of to_string(): every field the kind uses must be given; an Error names what is
+  /// missing, unknown or malformed.
+  static ModelConfig parse(const std::string& text);
 };
 
 /// One unit a strategy places, offloads, shards or stages.
@@ -54,12 +62,13 @@ class LinearHead {
   virtual torch::Tensor bias() const = 0;    ///< [classes], or undefined
 };
 
-/// A parameter under its canonical name: the first name it gets walking blocks in order.
+/// A parameter (or buffer) under its canonical name: the first name it gets walking blocks in order.
 struct NamedParameter {
   std::string name;
   torch::Tensor tensor;
   int64_t owner_block;  ///< first block that uses it
 };
+using NamedBuffer = NamedParameter;
 
 /// Input and target of one batch, on the host.
 struct Batch {
@@ -76,7 +85,8 @@ class BlockModel {
   const std::vector<std::shared_ptr<Block>>& blocks() const { return blocks_; }
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
-  /// Mean cross-entropy of output [..., C] against integer targets [...].
+  /// Mean cross-entropy of output [..., C] against integer targets [...], over the targets that are
+  /// not kIgnoreIndex.
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
 
   /// Parameters in canonical order, each once (tied parameters identified by TensorImpl).
@@ -85,6 +95,10 @@ class BlockModel {
   const std::vector<std::vector<int64_t>>& block_parameters() const { return block_parameters_; }
   /// True if some parameter is used by more than one block.
   bool has_tied_parameters() const;
+  /// Buffers (running statistics, fixed tables) in canonical order, each once, like parameters().
+  const std::vector<NamedBuffer>& buffers() const { return buffers_; }
+  /// For each block, the indices into buffers() of the buffers it holds.
+  const std::vector<std::vector<int64_t>>& block_buffers() const { return block_buffers_; }
 
   int64_t parameter_count() const;
   int64_t parameter_bytes() const;
@@ -98,6 +112,8 @@ class BlockModel {
   std::vector<std::shared_ptr<Block>> blocks_;
   std::vector<NamedParameter> parameters_;
   std::vector<std::vector<int64_t>> block_parameters_;
+  std::vector<NamedBuffer> buffers_;
+  std::vector<std::vector<int64_t>> block_buffers_;
 };
 
 /// Builds the model of `config`; the same config and seed give the same parameters on any machine.

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include "models/check.h"
+
 namespace strata {
 
 std::pair<torch::Tensor, KeptGraph> run_keeping_graph(models::Block& block, const torch::Tensor& x) {
@@ -9,25 +11,62 @@ std::pair<torch::Tensor, KeptGraph> run_keeping_graph(models::Block& block, cons
   auto x_leaf = x.detach().requires_grad_(x.is_floating_point());
   auto y = block.forward(x_leaf);
   KeptGraph graph{torch::autograd::impl::gradient_edge(y), x_leaf, {}};
-  for (const auto& p : block.parameters()) graph.params.push_back(torch::autograd::impl::gradient_edge(p));
+  for (const auto& p : block.parameters())
+    graph.params.push_back(p.requires_grad() ? torch::autograd::impl::gradient_edge(p) : torch::autograd::Edge());
   return {y.detach(), std::move(graph)};
 }
 
 BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out) {
-  // What autograd::grad does, started from an edge instead of the output tensor.
+  // What autograd::grad does, started from an edge instead of the output tensor. Only valid edges
+  // are asked for: the engine has nothing to return for a frozen parameter.
+  BlockGradients out;
+  out.params.resize(graph.params.size());
+  if (!graph.output.is_valid()) return out;  // the output depends on nothing that trains
   const bool wants_input = graph.input.requires_grad();
   torch::autograd::edge_list wanted;
   if (wants_input) wanted.push_back(torch::autograd::impl::gradient_edge(graph.input));
-  wanted.insert(wanted.end(), graph.params.begin(), graph.params.end());
-  BlockGradients out;
-  out.params.resize(graph.params.size());
+  std::vector<size_t> param_of;
+  for (size_t i = 0; i < graph.params.size(); ++i) {
+    if (!graph.params[i].is_valid()) continue;
+    wanted.push_back(graph.params[i]);
+    param_of.push_back(i);
+  }
   if (wanted.empty()) return out;
   auto grads = torch::autograd::Engine::get_default_engine().execute(
       {graph.output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
   size_t next = 0;
   if (wants_input) out.input = grads[next++];
-  for (auto& g : out.params) g = grads[next++];
+  for (auto i : param_of) out.params[i] = grads[next++];
   return out;
+}
+
+std::vector<torch::Tensor> snapshot_buffers(models::Block& block) {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : block.buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+BuffersAsBefore::BuffersAsBefore(models::Block& block, const std::vector<torch::Tensor>& before)
+    : live_(block.buffers()) {
+  STRATA_CHECK(live_.size() == before.size(), "a block's buffers changed in number between forward and its recompute ("
+                                                  << before.size() << " then " << live_.size() << ")");
+  // Only buffers the forward changed are written: a write bumps the tensor's version, and a fixed
+  // table that a graph saved for its backward must keep the version the graph recorded.
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < live_.size(); ++i) {
+    if (torch::equal(live_[i], before[i])) {
+      after_.emplace_back();
+      continue;
+    }
+    after_.push_back(live_[i].detach().clone());
+    live_[i].copy_(before[i]);
+  }
+}
+
+BuffersAsBefore::~BuffersAsBefore() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < live_.size(); ++i)
+    if (after_[i].defined()) live_[i].copy_(after_[i]);
 }
 
 namespace {
@@ -41,15 +80,19 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
   static torch::Tensor forward(AutogradContext* ctx, models::Block* block, torch::Tensor x,
                                torch::TensorList params) {
     ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
-    ctx->save_for_backward({x});
+    variable_list saved{x};
+    for (auto& b : snapshot_buffers(*block)) saved.push_back(std::move(b));
+    ctx->save_for_backward(saved);
     torch::NoGradGuard no_grad;
     return block->forward(x);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     auto* block = reinterpret_cast<models::Block*>(ctx->saved_data["block"].toInt());
-    auto kept = run_keeping_graph(*block, ctx->get_saved_variables()[0]).second;
-    auto grads = block_gradients(std::move(kept), grad_out);
+    auto saved = ctx->get_saved_variables();
+    // Through the gradients too: the recomputed graph saw these values.
+    BuffersAsBefore as_before(*block, variable_list(saved.begin() + 1, saved.end()));
+    auto grads = block_gradients(run_keeping_graph(*block, saved[0]).second, grad_out);
     variable_list result{torch::Tensor(), grads.input};  // block pointer, input
     result.insert(result.end(), grads.params.begin(), grads.params.end());
     return result;

@@ -1,7 +1,8 @@
 #pragma once
 // Per-block autograd, shared by the strategies that run a block inside a custom autograd function:
 // keeping a block's own graph between forward and backward, taking its input's and parameters'
-// gradients from it, and per-block activation checkpointing built on the two.
+// gradients from it, per-block activation checkpointing built on the two, and the buffer
+// bookkeeping that makes a recomputed forward leave buffers as the one forward did.
 #include <torch/csrc/autograd/edge.h>
 
 #include "models/model.h"
@@ -11,9 +12,11 @@ namespace strata {
 /// A block's own autograd graph, kept from forward to backward without its output tensor (holding
 /// the output would keep e.g. a head's logits alive through the loss).
 struct KeptGraph {
-  torch::autograd::Edge output;
+  torch::autograd::Edge output;       ///< invalid when the output needs no gradient (nothing upstream trains)
   torch::Tensor input;                ///< the detached input leaf
-  torch::autograd::edge_list params;  ///< the block's parameters' gradient edges as the graph used them
+  /// One edge per parameter of the block, in its parameters() order, as the graph used them; a
+  /// frozen parameter (requires_grad=false) has none and gets an invalid edge.
+  torch::autograd::edge_list params;
 };
 
 /// block(x) with autograd on, from a detached copy of x; returns the output, detached, and the
@@ -23,7 +26,7 @@ std::pair<torch::Tensor, KeptGraph> run_keeping_graph(models::Block& block, cons
 
 struct BlockGradients {
   torch::Tensor input;                ///< undefined for an input that needs none (token ids)
-  std::vector<torch::Tensor> params;  ///< in the block's parameters() order, undefined where unused
+  std::vector<torch::Tensor> params;  ///< in the block's parameters() order; undefined where unused or frozen
 };
 /// Gradients of a kept graph's input and of the block's parameters for the output gradient
 /// `grad_out`, returned rather than accumulated into .grad. Consumes the graph.
@@ -32,5 +35,23 @@ BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>
 /// block(x), recomputed in backward. Gradients reach `block`'s parameters through autograd
 /// (so a tied parameter sums the gradients of all its uses, as without checkpointing).
 torch::Tensor checkpointed_forward(models::Block& block, const torch::Tensor& x);
+
+/// Copies of a block's buffers as they are now; empty for a block without buffers (no cost).
+std::vector<torch::Tensor> snapshot_buffers(models::Block& block);
+
+/// For a recompute: while alive, the block's buffers hold `before` (their values before the forward
+/// being recomputed, from snapshot_buffers), so the recompute — and the backward of its graph, which
+/// may read them — sees what that forward saw; on exit they get back the values they hold now. A buffer the forward updates (BatchNorm's running
+/// statistics) is therefore updated once per step, as without recomputation, not twice.
+class BuffersAsBefore {
+ public:
+  BuffersAsBefore(models::Block& block, const std::vector<torch::Tensor>& before);
+  ~BuffersAsBefore();
+  BuffersAsBefore(const BuffersAsBefore&) = delete;  // restores once
+  BuffersAsBefore& operator=(const BuffersAsBefore&) = delete;
+
+ private:
+  std::vector<torch::Tensor> live_, after_;
+};
 
 }  // namespace strata

@@ -54,8 +54,10 @@ class Strategy {
 
   /// The registered name.
   virtual std::string name() const = 0;
-  /// Takes over placement of the model's parameters (move, wrap, shard or stage them).
-  virtual void attach(models::BlockModel model) = 0;
+  /// Takes over placement of the model's parameters and buffers (move, wrap, shard or stage them).
+  /// Once per strategy object: a second call is an Error (a strategy's buffers, streams and
+  /// optimizer state belong to one model; build a new strategy for another).
+  void attach(models::BlockModel model);
   /// Forward and backward over `batch` (host tensors); gradients accumulate until
   /// optimizer_step(). Returns the mean loss.
   virtual double train_step(const models::Batch& batch) = 0;
@@ -67,11 +69,23 @@ class Strategy {
   virtual NamedTensors gradients() = 0;
   /// Full, unsharded parameters as host tensors by canonical name.
   virtual NamedTensors parameters() = 0;
+  /// The model's buffers (running statistics, fixed tables) as host tensors by canonical name.
+  virtual NamedTensors buffers() = 0;
   /// Bytes moved and memory held since the last reset_stats().
   virtual Stats stats() = 0;
   /// Zeroes the byte counters and the peaks (allocator peaks included).
   virtual void reset_stats() = 0;
+
+ protected:
+  /// attach() for the strategy, called at most once.
+  virtual void attach_model(models::BlockModel model) = 0;
+
+ private:
+  bool attached_ = false;
 };
+
+/// Host copies (never views: the next step changes the originals) of named tensors, in order.
+NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 

@@ -6,9 +6,9 @@ rc::Gen<models::ModelConfig> gen_model_config() {
   using models::ModelKind;
   // Each field is its own shrinkable draw, so a failure shrinks towards the smallest model.
   return rc::gen::apply(
-      [](int kind, int depth, int heads, int head_dim, int vocab, int seq, int classes, int in, bool tied) {
+      [](ModelKind kind, int depth, int heads, int head_dim, int vocab, int seq, int classes, int in, bool tied) {
         models::ModelConfig c;
-        c.kind = static_cast<ModelKind>(kind);
+        c.kind = kind;
         c.depth = depth;
         c.heads = heads;
         // Odd widths too. Never below 2: a layer norm over one feature outputs a constant, its input
@@ -22,9 +22,55 @@ rc::Gen<models::ModelConfig> gen_model_config() {
         if (c.kind == ModelKind::mlp && c.tied) c.classes = c.in_features;
         return c;
       },
-      rc::gen::inRange(0, 3), rc::gen::inRange(1, 4), rc::gen::inRange(1, 4), rc::gen::inRange(2, 6),
-      rc::gen::inRange(2, 18), rc::gen::inRange(1, 7), rc::gen::inRange(2, 14), rc::gen::inRange(2, 10),
-      rc::gen::arbitrary<bool>());
+      rc::gen::element(ModelKind::mlp, ModelKind::gpt, ModelKind::bert), uniform(1, 4), uniform(1, 4), uniform(2, 6),
+      uniform(2, 18), uniform(1, 7), uniform(2, 14), uniform(2, 10), rc::gen::arbitrary<bool>());
+}
+
+namespace {
+
+// The channel counts up to 3 that divide `width` (1 always does).
+std::vector<int64_t> channel_counts(int64_t width) {
+  std::vector<int64_t> out;
+  for (int64_t c = 1; c <= 3; ++c)
+    if (width % c == 0) out.push_back(c);
+  return out;
+}
+
+}  // namespace
+
+rc::Gen<ChainSpec> gen_chain_spec(ChainLimits limits) {
+  std::vector<std::string> library{"lin", "act", "table", "frozen", "frozen_block", "conv"};
+  if (limits.batch_coupled_blocks) library.push_back("bn");
+  return rc::gen::mapcat(uniform<int64_t>(2, 9), [library](int64_t width) {
+    const auto channels = channel_counts(width);
+    return rc::gen::apply(
+        [width](int64_t in, int64_t classes, std::vector<std::pair<std::string, int64_t>> drawn, int sharers,
+                std::vector<size_t> at, bool second) {
+          ChainSpec spec;
+          spec.in_features = in;
+          spec.width = width;
+          spec.classes = classes;
+          for (const auto& [token, c] : drawn) spec.blocks.push_back(token == "conv" ? "conv" + std::to_string(c) : token);
+          // One parameter shared by `sharers` blocks at drawn places, and sometimes a second by two.
+          auto insert = [&](const std::string& token, size_t where) {
+            spec.blocks.insert(spec.blocks.begin() + static_cast<std::ptrdiff_t>(where % (spec.blocks.size() + 1)), token);
+          };
+          for (int k = 0; k < sharers; ++k) insert("shared0", at[k]);
+          if (sharers > 0 && second) {
+            insert("shared1", at[4]);
+            insert("shared1", at[5]);
+          }
+          return spec;
+        },
+        uniform<int64_t>(1, 7), uniform<int64_t>(2, 10),
+        rc::gen::mapcat(uniform<size_t>(0, 7),
+                        [library, channels](size_t n) {
+                          return rc::gen::container<std::vector<std::pair<std::string, int64_t>>>(
+                              n, rc::gen::pair(rc::gen::elementOf(library), rc::gen::elementOf(channels)));
+                        }),
+        rc::gen::weightedOneOf<int>({{1, rc::gen::just(0)}, {1, uniform(2, 5)}}),
+        rc::gen::container<std::vector<size_t>>(6, uniform<size_t>(0, 8)), rc::gen::arbitrary<bool>());
+  });
 }
 
 int64_t block_count(const models::ModelConfig& c) {
@@ -32,50 +78,57 @@ int64_t block_count(const models::ModelConfig& c) {
     case models::ModelKind::mlp: return c.depth + 1;   // dense layers + output
     case models::ModelKind::gpt: return c.depth + 2;   // embedding + blocks + head
     case models::ModelKind::bert: return c.depth + 3;  // embedding + blocks + pooler + classifier
+    case models::ModelKind::custom: break;
   }
   return 0;
 }
 
-namespace {
-
-// hook_offload: prefetch depth, activations kept or recomputed, last block merged or not, and
-// sometimes one block kept resident.
-rc::Gen<std::map<std::string, std::string>> hook_offload_options(const models::ModelConfig& model,
-                                                                  const std::vector<std::string>&) {
-  const int64_t blocks = block_count(model);
-  return rc::gen::apply(
-      [](int prefetch, bool keep, bool merge_last, int resident) {
-        std::map<std::string, std::string> o{{"prefetch", std::to_string(prefetch)},
-                                             {"activations", keep ? "keep" : "recompute"},
-                                             {"merge_last", merge_last ? "1" : "0"}};
-        if (resident >= 0) o["resident"] = std::to_string(resident);
-        return o;
-      },
-      rc::gen::inRange(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
-      rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, rc::gen::inRange<int>(0, static_cast<int>(blocks))}}));
+ModelShape shape_of(const ParityCase& c) {
+  if (c.chain) return {c.chain->num_blocks(), true, c.chain->classes};
+  const auto& m = c.model;
+  return {block_count(m), !m.tied, m.kind == models::ModelKind::gpt ? m.vocab : m.classes};
 }
 
-// manual_split: 1 to 3 stages on the test's devices, balance automatic or drawn, and for heads of
-// their own (not tied) sometimes a column split of the classifier.
-rc::Gen<std::map<std::string, std::string>> manual_split_options(const models::ModelConfig& model,
-                                                                  const std::vector<std::string>& devices) {
-  const int64_t blocks = block_count(model);
-  const bool splittable_head = !model.tied;
-  const int64_t classes = model.kind == models::ModelKind::gpt ? model.vocab : model.classes;
-  return rc::gen::mapcat(rc::gen::inRange<int64_t>(1, std::min<int64_t>(3, blocks) + 1), [=](int64_t stages) {
+namespace {
+
+// hook_offload's own choices: activations kept or recomputed, last block merged or not, and
+// sometimes one block kept resident; `with_prefetch` adds the prefetch depth (hook_offload_sync
+// keeps its own default of 0, which is what it is registered to test).
+OptionsGenerator hook_offload_options(bool with_prefetch) {
+  return [with_prefetch](const ModelShape& shape, const std::vector<std::string>&) {
+    return rc::gen::apply(
+        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident) {
+          Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
+          if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
+          if (resident >= 0) o["resident"] = std::to_string(resident);
+          return o;
+        },
+        uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
+        rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, uniform<int>(0, static_cast<int>(shape.blocks))}}));
+  };
+}
+
+// manual_split: 1 to 4 stages on the test's devices, balance automatic or drawn, and for heads of
+// their own (not tied) sometimes a column split into 2 or 3 shards.
+rc::Gen<Options> manual_split_options(const ModelShape& shape, const std::vector<std::string>& devices) {
+  const int64_t blocks = shape.blocks;
+  return rc::gen::mapcat(uniform<int64_t>(1, std::min<int64_t>(4, blocks) + 1), [=](int64_t stages) {
     return rc::gen::apply(
         [=](std::vector<int64_t> cuts, bool automatic, bool memory, int64_t shards) {
-          std::map<std::string, std::string> o;
-          std::string devs;
-          for (int64_t s = 0; s < stages; ++s) devs += (s ? "," : "") + devices[s % devices.size()];
-          o["devices"] = devs;
+          Options o;
+          auto stage_devices = [&](size_t n) {
+            std::string devs;
+            for (size_t s = 0; s < n; ++s) devs += (s ? "," : "") + devices[s % devices.size()];
+            return devs;
+          };
+          o["devices"] = stage_devices(static_cast<size_t>(stages));
           if (automatic) {
             o["weigh"] = memory ? "memory" : "params";
           } else {
-            // stages - 1 distinct cut points in 1..blocks-1 give a balance with no empty stage.
+            // stages - 1 distinct cut points in 1..blocks-1 give a balance with no empty stage;
+            // fewer distinct cuts than drawn means fewer stages, one device each.
             std::sort(cuts.begin(), cuts.end());
             cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-            cuts.resize(std::min<size_t>(cuts.size(), stages - 1));
             std::string balance;
             int64_t prev = 0;
             for (auto c : cuts) {
@@ -84,48 +137,57 @@ rc::Gen<std::map<std::string, std::string>> manual_split_options(const models::M
             }
             balance += std::to_string(blocks - prev);
             o["balance"] = balance;
-            // Fewer distinct cuts than drawn means fewer stages: one device per stage.
-            std::string trimmed;
-            for (size_t s = 0; s <= cuts.size(); ++s) trimmed += (s ? "," : "") + devices[s % devices.size()];
-            o["devices"] = trimmed;
+            o["devices"] = stage_devices(cuts.size() + 1);
           }
-          if (splittable_head && shards > 1) o["classifier_shards"] = std::to_string(std::min(shards, classes));
+          if (shape.splittable_head && shards > 1) o["classifier_shards"] = std::to_string(std::min(shards, shape.head_classes));
           return o;
         },
         rc::gen::container<std::vector<int64_t>>(static_cast<size_t>(stages - 1),
-                                                 rc::gen::inRange<int64_t>(1, std::max<int64_t>(2, blocks))),
-        rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::inRange<int64_t>(1, 4));
+                                                 uniform<int64_t>(1, std::max<int64_t>(2, blocks))),
+        rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), uniform<int64_t>(1, 4));
   });
 }
 
 }  // namespace
 
-const std::map<std::string, OptionsGenerator>& option_generators() {
-  static const std::map<std::string, OptionsGenerator> all = {
-      {"hook_offload", hook_offload_options},
-      {"hook_offload_overlap", hook_offload_options},
-      {"hook_offload_sync", hook_offload_options},
-      {"manual_split", manual_split_options},
+const std::map<std::string, StrategyTraits>& strategy_traits() {
+  static const std::map<std::string, StrategyTraits> all = {
+      {"hook_offload", {hook_offload_options(true), {}}},
+      {"hook_offload_overlap", {hook_offload_options(true), {}}},
+      {"hook_offload_sync", {hook_offload_options(false), {}}},
+      {"manual_split", {manual_split_options, {}}},
   };
   return all;
 }
 
 rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices) {
-  return rc::gen::mapcat(gen_model_config(), [strategy, devices](const models::ModelConfig& model) {
-    auto found = option_generators().find(strategy);
-    auto options = found == option_generators().end()
-                       ? rc::gen::just(std::map<std::string, std::string>{})
-                       : found->second(model, devices);
+  auto found = strategy_traits().find(strategy);
+  const StrategyTraits traits = found == strategy_traits().end() ? StrategyTraits{} : found->second;
+  auto models = rc::gen::oneOf(rc::gen::map(gen_model_config(),
+                                            [](models::ModelConfig m) {
+                                              ParityCase c;
+                                              c.model = m;
+                                              return c;
+                                            }),
+                               rc::gen::map(gen_chain_spec(traits.chain), [](ChainSpec spec) {
+                                 ParityCase c;
+                                 c.chain = spec;
+                                 return c;
+                               }));
+  return rc::gen::mapcat(models, [traits, devices](const ParityCase& base) {
+    auto options = traits.options ? traits.options(shape_of(base), devices) : rc::gen::just(Options{});
+    // BatchNorm in training mode needs two samples for a batch variance.
+    const int min_batch = base.chain && base.chain->has("bn") ? 2 : 1;
     return rc::gen::apply(
-        [model](int batch, unsigned seed, std::map<std::string, std::string> opts) {
-          ParityCase c;
-          c.model = model;
+        [base](int batch, unsigned seed, bool ignore, Options opts) {
+          ParityCase c = base;
           c.batch_size = batch;
           c.seed = seed;
+          c.ignore_targets = ignore;
           c.options = std::move(opts);
           return c;
         },
-        rc::gen::inRange(1, 6), rc::gen::inRange(0u, 1000u), options);
+        uniform(min_batch, 6), uniform(0u, 1000u), rc::gen::arbitrary<bool>(), options);
   });
 }
 

@@ -1,26 +1,59 @@
 #pragma once
-// rapidcheck generators for the parity properties: model configs (tied and untied, odd sizes),
-// batch sizes, seeds, and each strategy's own options.
+// rapidcheck generators for the parity properties: preset model kinds at generated sizes (tied and
+// untied, odd sizes), chains of library blocks (buffers, frozen parameters, shared parameters),
+// batch sizes, seeds, targets with ignored positions, and each strategy's own options. Every draw
+// covers its whole range at any rapidcheck size (rapidcheck's inRange alone narrows with the size).
 #include <rapidcheck.h>
 
 #include "correctness/support/parity.h"
 
 namespace strata::correctness {
 
-/// Small configs of every kind; about half of the gpt and mlp ones are tied.
-rc::Gen<models::ModelConfig> gen_model_config();
-/// A parity case for `strategy`: a model, a batch of 1..5, a seed, and the strategy's options as
-/// drawn by the generator registered for it (none by default). `devices` lists what the
-/// machine offers for multi-device strategies.
-rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices);
+/// Uniform over [min, max) whatever the test size; shrinks towards min.
+template <typename T>
+rc::Gen<T> uniform(T min, T max) {
+  return rc::gen::resize(rc::kNominalSize, rc::gen::inRange<T>(min, max));
+}
 
-using OptionsGenerator = std::function<rc::Gen<std::map<std::string, std::string>>(
-    const models::ModelConfig&, const std::vector<std::string>& devices)>;
+/// Small configs of every preset kind; about half of the gpt and mlp ones are tied.
+rc::Gen<models::ModelConfig> gen_model_config();
+
+/// What the chain generator may use.
+struct ChainLimits {
+  /// BatchNorm couples the samples of a batch: a strategy that runs slices of the batch apart
+  /// (data parallel ranks, micro-batches) computes other statistics by design, so it sets this false.
+  bool batch_coupled_blocks = true;
+};
+/// Chains of 0..6 library blocks between the input layer and the head; about half of them share
+/// one parameter among 2..4 blocks, some a second one too.
+rc::Gen<ChainSpec> gen_chain_spec(ChainLimits limits = {});
+
+/// What the options generators see of a model, without building it.
+struct ModelShape {
+  int64_t blocks = 0;
+  bool splittable_head = false;  ///< the last block is a linear head with a weight of its own
+  int64_t head_classes = 0;
+};
+ModelShape shape_of(const ParityCase& c);
 /// Blocks in a model of `config` (without building it).
 int64_t block_count(const models::ModelConfig& config);
 
-/// Strategy name -> generator of its options; a strategy with options adds itself here.
-const std::map<std::string, OptionsGenerator>& option_generators();
+using Options = std::map<std::string, std::string>;
+using OptionsGenerator = std::function<rc::Gen<Options>(const ModelShape&, const std::vector<std::string>& devices)>;
+
+/// What a strategy's parity property draws beyond the model: its options (none when unset) and
+/// the limits on chain models.
+struct StrategyTraits {
+  OptionsGenerator options;
+  ChainLimits chain;
+};
+/// Strategy name -> its traits; a strategy with options or limits adds itself here.
+const std::map<std::string, StrategyTraits>& strategy_traits();
+
+/// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (2..5 with
+/// BatchNorm), a seed, ignored targets or not, and the strategy's options. `devices` lists what the
+/// machine offers for multi-device strategies.
+rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices);
 
 }  // namespace strata::correctness
 
@@ -36,4 +69,5 @@ inline void showValue(const ModelConfig& c, std::ostream& os) { os << c.to_strin
 }  // namespace strata::models
 namespace strata::correctness {
 inline void showValue(const ParityCase& c, std::ostream& os) { os << c.to_string(); }
+inline void showValue(const ChainSpec& c, std::ostream& os) { os << c.to_string(); }
 }  // namespace strata::correctness

@@ -1,90 +1,205 @@
 #include "correctness/support/parity.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 #include <sstream>
 
-namespace strata::correctness {
+#include "models/check.h"
+#include "models/text.h"
 
-Tolerance tolerance_for(const torch::Device& device) { return device.is_cuda() ? kCudaTolerance : kCpuTolerance; }
+namespace strata::correctness {
 
 std::string ParityCase::to_string() const {
   std::ostringstream out;
-  out << model.to_string() << " batch=" << batch_size << " seed=" << seed << " steps=" << steps;
+  out << model_text() << " batch=" << batch_size << " seed=" << seed << " steps=" << steps;
+  if (ignore_targets) out << " ignore=1";
   for (const auto& [k, v] : options) out << " " << k << "=" << v;
-  if (!devices.empty()) {
-    out << " devices=";
-    for (size_t i = 0; i < devices.size(); ++i) out << (i ? "," : "") << devices[i];
-  }
   return out.str();
+}
+
+ParityCase ParityCase::parse(const std::string& text) {
+  const auto begin = text.find_first_not_of(' ');
+  STRATA_CHECK(begin != std::string::npos, "an empty parity case");
+  const auto end = models::end_of_call(text, begin);
+  STRATA_CHECK(end != std::string::npos, "parity case '" << text << "' does not start with a model(...)");
+  ParityCase c;
+  const auto model = text.substr(begin, end - begin);
+  if (model.rfind("chain(", 0) == 0)
+    c.chain = ChainSpec::parse(model);
+  else
+    c.model = models::ModelConfig::parse(model);
+  std::istringstream in(text.substr(end));
+  std::string item;
+  while (in >> item) {
+    const auto eq = item.find('=');
+    STRATA_CHECK(eq != std::string::npos && eq > 0, "parity case '" << text << "': '" << item << "' is not key=value");
+    const auto key = item.substr(0, eq), value = item.substr(eq + 1);
+    models::Call field{"parity case", {{key, value}}};
+    if (key == "batch")
+      c.batch_size = models::int_arg(field, key);
+    else if (key == "seed")
+      c.seed = static_cast<uint64_t>(models::int_arg(field, key));
+    else if (key == "steps")
+      c.steps = static_cast<int>(models::int_arg(field, key));
+    else if (key == "ignore")
+      c.ignore_targets = models::int_arg(field, key) != 0;
+    else
+      c.options[key] = value;
+  }
+  return c;
+}
+
+models::BlockModel ParityCase::build() const { return chain ? chain->build(seed) : models::build_model(model, seed); }
+
+models::Batch ParityCase::batch(int step) const {
+  const uint64_t s = seed + 1000 + static_cast<uint64_t>(step);
+  auto b = chain ? chain->make_batch(batch_size, s) : models::make_batch(model, batch_size, s);
+  if (ignore_targets) {
+    auto gen = at::detail::createCPUGenerator(s ^ 0x16A0BEULL);
+    auto drop = torch::randint(3, {b.target.numel()}, gen, torch::TensorOptions().dtype(torch::kLong)) == 0;
+    drop[0] = false;  // never every target: a mean over none is undefined
+    b.target = b.target.reshape({-1}).masked_fill(drop, models::kIgnoreIndex).view(b.target.sizes());
+  }
+  return b;
 }
 
 namespace {
 
-std::string compare_tensor(const std::string& what, const std::string& name, const torch::Tensor& actual,
-                           const torch::Tensor& expected, Tolerance tol) {
+double max_abs(const torch::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
+
+std::string compare_one(const std::string& what, const std::string& name, const torch::Tensor& actual,
+                        const std::vector<torch::Tensor>& baselines, const torch::Tensor& reference, double scale) {
   std::ostringstream out;
-  if (actual.sizes() != expected.sizes()) {
-    out << what << " '" << name << "': shape " << actual.sizes() << " but the baseline has " << expected.sizes();
+  if (actual.sizes() != reference.sizes()) {
+    out << what << " '" << name << "': shape " << actual.sizes() << " but the baseline has " << reference.sizes();
     return out.str();
   }
-  if (expected.numel() == 0) return {};
-  auto a = actual.to(torch::kDouble), e = expected.to(torch::kDouble);
-  if (!torch::isfinite(a).all().item<bool>()) {
+  const auto r = reference.to(torch::kCPU, torch::kDouble);
+  const auto a = actual.to(torch::kCPU, torch::kDouble);
+  if (a.numel() > 0 && !torch::isfinite(a).all().item<bool>()) {
     out << what << " '" << name << "' has non-finite values";
     return out.str();
   }
-  const double diff = (a - e).abs().max().item<double>();
-  const double scale = e.abs().max().item<double>();
-  const double allowed = tol.atol + tol.rtol * scale;
-  if (diff <= allowed) return {};
-  out << what << " '" << name << "': max|diff|=" << diff << " > allowed " << allowed << " (max|baseline|=" << scale
-      << ")";
+  double baseline_error = 0.0;
+  for (const auto& b : baselines) baseline_error = std::max(baseline_error, max_abs(b.to(torch::kCPU, torch::kDouble) - r));
+  const double error = max_abs(a - r);
+  const double bound =
+      kReferenceErrorMultiple * baseline_error + kRoundingFloorUlps * kFp32UnitRoundoff * scale + kFp32SmallestNormal;
+  if (error <= bound) return {};
+  out << what << " '" << name << "': max|strategy - fp64|=" << error << " > bound " << bound
+      << " (fp32 baseline error " << baseline_error << ", scale " << scale << ")";
   return out.str();
+}
+
+// The parity check needs exact fp32: TF32 is off for its duration and restored on any exit.
+struct NoTf32 {
+  bool saved = at::globalContext().allowTF32CuBLAS();
+  NoTf32() { at::globalContext().setAllowTF32CuBLAS(false); }
+  ~NoTf32() { at::globalContext().setAllowTF32CuBLAS(saved); }
+};
+
+// Every floating-point parameter and buffer moved by about one ulp, each in a random direction.
+void move_by_an_ulp(models::BlockModel& model, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  auto move = [&](torch::Tensor t) {
+    if (!t.is_floating_point() || t.numel() == 0) return;
+    auto sign = torch::randint(2, t.sizes(), gen, t.options()) * 2 - 1;
+    t.mul_(sign * std::ldexp(1.0, -23) + 1);
+  };
+  for (const auto& p : model.parameters()) move(p.tensor);
+  for (const auto& b : model.buffers()) move(b.tensor);
+}
+
+models::BlockModel in_float64(models::BlockModel model) {
+  // Module::to swaps data in place: tied parameters and shared buffers stay one tensor each.
+  for (const auto& block : model.blocks()) block->to(torch::kDouble);
+  return model;
+}
+
+models::Batch in_float64(const models::Batch& b) {
+  return {b.input.is_floating_point() ? b.input.to(torch::kDouble) : b.input, b.target};
+}
+
+NamedTensors as_named(const std::string& name, double value) {
+  return {{name, torch::tensor({value}, torch::kDouble)}};
+}
+
+Scales own_scales(const NamedTensors& reference) {
+  Scales out;
+  for (const auto& [name, t] : reference) out.push_back(max_abs(t));
+  return out;
+}
+
+// A gradient's scale: the largest gradient of any parameter that shares a block with it.
+Scales gradient_scales(const models::BlockModel& structure, const NamedTensors& reference) {
+  const auto own = own_scales(reference);
+  Scales out(own.size(), 0.0);
+  for (const auto& uses : structure.block_parameters()) {
+    double block_max = 0.0;
+    for (auto p : uses) block_max = std::max(block_max, own[p]);
+    for (auto p : uses) out[p] = std::max(out[p], block_max);
+  }
+  return out;
+}
+
+template <typename F>
+std::vector<NamedTensors> of_each(std::vector<std::unique_ptr<Strategy>>& runs, F&& f) {
+  std::vector<NamedTensors> out;
+  for (auto& r : runs) out.push_back(f(*r));
+  return out;
 }
 
 }  // namespace
 
-std::string compare_named(const std::string& what, const NamedTensors& actual, const NamedTensors& expected,
-                          Tolerance tol) {
-  if (actual.size() != expected.size()) {
+std::string compare_to_reference(const std::string& what, const NamedTensors& actual,
+                                 const std::vector<NamedTensors>& baselines, const NamedTensors& reference,
+                                 const Scales& scales) {
+  auto count_mismatch = [&](const NamedTensors& list, const std::string& whose) {
     std::ostringstream out;
-    out << what << ": " << actual.size() << " tensors but the baseline has " << expected.size();
+    out << what << ": " << list.size() << " tensors from the " << whose << " but the reference has " << reference.size();
     return out.str();
-  }
-  for (size_t i = 0; i < actual.size(); ++i) {
-    if (actual[i].first != expected[i].first)
-      return what + " #" + std::to_string(i) + ": name '" + actual[i].first + "' but the baseline has '" +
-             expected[i].first + "'";
-    auto msg = compare_tensor(what, actual[i].first, actual[i].second, expected[i].second, tol);
+  };
+  if (actual.size() != reference.size()) return count_mismatch(actual, "strategy");
+  for (const auto& b : baselines)
+    if (b.size() != reference.size()) return count_mismatch(b, "baseline");
+  for (size_t i = 0; i < reference.size(); ++i) {
+    const auto& name = reference[i].first;
+    if (actual[i].first != name)
+      return what + " #" + std::to_string(i) + ": name '" + actual[i].first + "' but the baseline has '" + name + "'";
+    std::vector<torch::Tensor> fp32;
+    for (const auto& b : baselines) fp32.push_back(b[i].second);
+    auto msg = compare_one(what, name, actual[i].second, fp32, reference[i].second, scales.at(i));
     if (!msg.empty()) return msg;
   }
   return {};
 }
 
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device) {
-  // The tolerances hold for full fp32: TF32 is off for the check and restored on any exit.
-  struct NoTf32 {
-    bool saved = at::globalContext().allowTF32CuBLAS();
-    NoTf32() { at::globalContext().setAllowTF32CuBLAS(false); }
-    ~NoTf32() { at::globalContext().setAllowTF32CuBLAS(saved); }
-  } no_tf32;
+  NoTf32 no_tf32;
+  const auto structure = c.build();
   for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw}) {
     StrategyConfig config;
     config.device = device;
     config.optimizer.kind = kind;
     config.optimizer.lr = kind == OptimizerKind::sgd ? 0.05 : 1e-3;
     config.optimizer.eps = kParityAdamwEps;
-    StrategyConfig base_config = config;
+    const StrategyConfig base_config = config;
     config.options = c.options;
-    for (const auto& d : c.devices) config.devices.push_back(torch::Device(d));
 
-    auto base = Registry::create("baseline", base_config);
+    auto reference = Registry::create("baseline", base_config);
+    reference->attach(in_float64(c.build()));
+    std::vector<std::unique_ptr<Strategy>> baselines;
+    for (int k = 0; k <= kPerturbedReferences; ++k) {
+      auto model = c.build();
+      if (k > 0) move_by_an_ulp(model, c.seed * 7919 + static_cast<uint64_t>(k));
+      baselines.push_back(Registry::create("baseline", base_config));
+      baselines.back()->attach(std::move(model));
+    }
     auto strategy = make(config);
-    base->attach(models::build_model(c.model, c.seed));
-    strategy->attach(models::build_model(c.model, c.seed));
+    strategy->attach(c.build());
 
-    const auto strict = tolerance_for(device);
-    auto param_tol = strict;
     const std::string opt = kind == OptimizerKind::sgd ? "sgd" : "adamw";
     auto fail = [&](int step, const std::string& msg) {
       ParityResult r;
@@ -92,27 +207,32 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       r.message = opt + " step " + std::to_string(step) + ": " + msg;
       return r;
     };
-    if (auto msg = compare_named("initial parameter", strategy->parameters(), base->parameters(), strict); !msg.empty())
-      return fail(0, msg);
+    auto compare = [&](const std::string& what, auto get, auto scales_of) {
+      const auto expected = get(*reference);
+      return compare_to_reference(what, get(*strategy), of_each(baselines, get), expected, scales_of(expected));
+    };
+    auto parameters = [](Strategy& s) { return s.parameters(); };
+    auto gradients = [](Strategy& s) { return s.gradients(); };
+    auto buffers = [](Strategy& s) { return s.buffers(); };
+    auto by_block = [&](const NamedTensors& r) { return gradient_scales(structure, r); };
+
+    if (auto msg = compare("initial parameter", parameters, own_scales); !msg.empty()) return fail(0, msg);
     for (int step = 0; step < c.steps; ++step) {
-      const auto batch = models::make_batch(c.model, c.batch_size, c.seed + 1000 + static_cast<uint64_t>(step));
-      auto tol = strict;
-      if (kind == OptimizerKind::adamw && step > 0) tol = {std::max(strict.rtol, kAdamwLaterStepRtol), strict.atol * 10};
-      const double expected = base->train_step(batch);
+      const auto batch = c.batch(step);
+      const double expected = reference->train_step(in_float64(batch));
+      std::vector<NamedTensors> base_losses;
+      for (auto& b : baselines) base_losses.push_back(as_named("loss", b->train_step(batch)));
       const double actual = strategy->train_step(batch);
-      const double allowed = tol.atol + tol.rtol * std::abs(expected);
-      if (!(std::abs(actual - expected) <= allowed)) {
-        std::ostringstream out;
-        out << "loss " << actual << " but the baseline has " << expected << " (allowed difference " << allowed << ")";
-        return fail(step, out.str());
-      }
-      if (auto msg = compare_named("gradient", strategy->gradients(), base->gradients(), tol); !msg.empty())
+      const auto ref_loss = as_named("loss", expected);
+      if (auto msg = compare_to_reference("loss", as_named("loss", actual), base_losses, ref_loss, own_scales(ref_loss));
+          !msg.empty())
         return fail(step, msg);
-      base->optimizer_step();
+      if (auto msg = compare("gradient", gradients, by_block); !msg.empty()) return fail(step, msg);
+      if (auto msg = compare("buffer", buffers, own_scales); !msg.empty()) return fail(step, msg);
+      reference->optimizer_step();
+      for (auto& b : baselines) b->optimizer_step();
       strategy->optimizer_step();
-      if (kind == OptimizerKind::adamw) param_tol.atol += kAdamwUpdateSlack * config.optimizer.lr;
-      if (auto msg = compare_named("parameter", strategy->parameters(), base->parameters(), param_tol); !msg.empty())
-        return fail(step, msg);
+      if (auto msg = compare("parameter", parameters, own_scales); !msg.empty()) return fail(step, msg);
     }
   }
   return {};

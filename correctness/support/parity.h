@@ -1,71 +1,99 @@
 #pragma once
-// The one parity checker: given a strategy, a model config, a seed and a batch, run the baseline
-// and the strategy side by side and compare loss, every gradient by canonical name, and the
+// The one parity checker: given a strategy, a model, a seed and batches, run the strategy beside
+// the baseline and compare the loss, every gradient and every buffer by canonical name, and the
 // parameters after each optimizer step (SGD-momentum and AdamW).
+//
+// The error bound follows from the computation, not from trial. Every quantity is also computed by
+// a float64 run of the baseline (the reference R, exact to far below fp32's rounding), and by fp32
+// runs of the baseline (B_0 as given, B_1..B_k with every parameter and buffer moved by one ulp in a
+// random direction). A strategy computes the same mathematics as the baseline in fp32, in another
+// order (a tied gradient summed elsewhere, a softmax split over shards, another matmul kernel), so
+// its error against R is rounding of the same size as the baseline's own: for each tensor,
+//
+//   max|S - R|  <=  kReferenceErrorMultiple * max_k max|B_k - R|  +  kRoundingFloorUlps * u * scale
+//                   + kFp32SmallestNormal
+//
+// with u = 2^-24 and `scale` the magnitude of what entered the computation (below). The B_k measure
+// how large fp32 rounding is for this very quantity, cancellation included: a gradient that is
+// zero in exact arithmetic (a bias before a BatchNorm) is pure rounding noise in every fp32 run, and
+// so is its bound. The moved ulp gives each B_k its own rounding pattern, so one lucky run cannot
+// make the bound small. A strategy that is off by one ulp in every element passes (its error is at
+// most B_0's plus one ulp of the value); one that doubles a gradient fails (its error is the
+// gradient itself, far above rounding).
 #include <functional>
+#include <optional>
 #include <string>
 
+#include "correctness/support/chain.h"
 #include "strategies/strategy.h"
 
 namespace strata::correctness {
 
-/// max|actual - expected| <= atol + rtol * max|expected|, per tensor.
-struct Tolerance {
-  double rtol;
-  double atol;
-};
-
-// fp32 on the CPU: the same sequence of operations gives identical bits; strategies that change
-// the order of a reduction (a tied gradient summed on the host, a matmul split in two) differ by
-// a few units in the last place of the accumulated values. 1e-5 is ~80 ulp of fp32 (eps 1.19e-7),
-// far below any real bug (a missed or doubled contribution moves values by percent).
-inline constexpr Tolerance kCpuTolerance{1e-5, 1e-7};
-// fp32 on CUDA with TF32 off: cuBLAS may choose other kernels (split-K, other tilings) for other
-// shapes and streams, so reductions run in another order; 1e-4 covers that for the sizes tested.
-inline constexpr Tolerance kCudaTolerance{1e-4, 1e-6};
-// AdamW divides by sqrt(v) + eps, so an element's update is about lr * g / (|g| + eps): where |g|
-// is near the rounding noise of a reordered reduction (~1e-8 absolute at these sizes; a softmax
-// computed across column shards is one such reordering), that noise becomes a difference of the
-// update of up to lr * noise / eps. Parity runs AdamW with eps = kParityAdamwEps (bound: 1e-3 lr
-// per step) and allows kAdamwUpdateSlack * lr per step on top of the gradient tolerance. A real
-// bug (a missing or doubled contribution) moves most updates by a large part of lr.
+/// fp32's unit roundoff, 2^-24: the largest relative error of one rounding.
+inline constexpr double kFp32UnitRoundoff = 5.9604644775390625e-08;
+/// A strategy's error may be this many times the largest fp32 baseline error: several independent
+/// roundings of the same computation differ from each other by a small factor; 4 leaves room for
+/// that and stays far below any real defect (a missed or doubled contribution is of the order of
+/// the value itself, millions of times the rounding).
+inline constexpr double kReferenceErrorMultiple = 4.0;
+/// The floor for quantities the fp32 baselines happen to round exactly: eight roundings of the
+/// largest magnitude that entered the computation — for a gradient, the largest gradient of any
+/// parameter of the blocks that use it (the same backward products fed both); for a parameter,
+/// buffer or loss, its own largest value.
+inline constexpr double kRoundingFloorUlps = 8.0;
+/// fp32's smallest normal number: below it every value is zero as far as training can tell (a zero
+/// moved by one ulp lands in the denormals), so no bound is tighter.
+inline constexpr double kFp32SmallestNormal = 1.1754943508222875e-38;
+/// fp32 baselines with moved parameters, beside the unmoved one.
+inline constexpr int kPerturbedReferences = 2;
+/// AdamW divides by sqrt(v) + eps; at eps = 1e-8 an element whose gradient is pure rounding noise
+/// gets an update of about lr, different in every run, which no parameter comparison could tell
+/// from a bug. 1e-5 keeps such updates small while real gradients (1e-4 and up) behave as in
+/// training.
 inline constexpr double kParityAdamwEps = 1e-5;
-inline constexpr double kAdamwUpdateSlack = 1e-2;
-// After an AdamW step the two runs' parameters legitimately differ by up to that slack, and the
-// next losses and gradients inherit the difference (~1e-5 absolute on parameters of ~0.02 is a
-// relative 5e-4). Steps after the first are therefore compared at this relative tolerance under
-// AdamW; the first step, and every SGD step, keep the strict one.
-inline constexpr double kAdamwLaterStepRtol = 1e-3;
 
-Tolerance tolerance_for(const torch::Device& device);
-
+/// What a parity case trains: a preset kind at some size, or a chain of library blocks.
 struct ParityCase {
   models::ModelConfig model;
+  std::optional<ChainSpec> chain;             ///< when set, the model is this chain and `model` is unused
   int64_t batch_size = 2;
   uint64_t seed = 0;
-  int steps = 3;                                ///< optimizer steps, each after one train_step
-  std::map<std::string, std::string> options;   ///< the strategy's own options
-  std::vector<std::string> devices;             ///< extra devices ("cpu", "cuda:0", ...) for multi-device strategies
+  int steps = 3;                              ///< optimizer steps, each after one train_step
+  bool ignore_targets = false;                ///< about a third of the targets are kIgnoreIndex (never all)
+  std::map<std::string, std::string> options; ///< the strategy's own options
+
+  /// "gpt(depth=1 ...) batch=1 seed=145 steps=3 balance=3 classifier_shards=2": the model, the
+  /// case's own fields, then the options; parse() reads it back.
   std::string to_string() const;
+  static ParityCase parse(const std::string& text);
+
+  models::BlockModel build() const;
+  /// The batch of optimizer step `step`.
+  models::Batch batch(int step) const;
+  std::string model_text() const { return chain ? chain->to_string() : model.to_string(); }
 };
 
 struct ParityResult {
   bool ok = true;
-  std::string message;  ///< the first mismatch, with step, tensor name and sizes of the difference
+  std::string message;  ///< the first mismatch: optimizer, step, tensor, its error and the bound
 };
 
 using StrategyMaker = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 
-/// Runs `steps` steps of each optimizer on the baseline and on `make(config)`; stops at the first
-/// mismatch. `device` is the main device of both. TF32 is off during the check (the tolerances
-/// are fp32's) and restored after it.
+/// Runs `steps` steps of each optimizer on the references and on `make(config)`; stops at the
+/// first mismatch. `device` is the main device of all of them. TF32 is off during the check (the
+/// bound is fp32's) and restored after it.
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device);
 /// Same, for a registered strategy.
 ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device);
 
-/// Compares two named tensor lists (same names, same order, same shapes, values within `tol`).
-/// Returns an empty string when they match, else what differs.
-std::string compare_named(const std::string& what, const NamedTensors& actual, const NamedTensors& expected,
-                          Tolerance tol);
+/// Magnitudes that bound the rounding of each tensor (see above), by position in the lists.
+using Scales = std::vector<double>;
+/// The bound above for one list of named tensors: `actual` (the strategy) against `reference`
+/// (float64), with the fp32 baselines `baselines`. Names, order and shapes must match exactly.
+/// Returns an empty string when every tensor is within its bound, else what differs.
+std::string compare_to_reference(const std::string& what, const NamedTensors& actual,
+                                 const std::vector<NamedTensors>& baselines, const NamedTensors& reference,
+                                 const Scales& scales);
 
 }  // namespace strata::correctness

@@ -26,8 +26,9 @@ models::BlockModel& Baseline::model() {
   return *model_;
 }
 
-void Baseline::attach(models::BlockModel model) {
-  // Module::to() swaps each parameter's data in place, so a tied parameter stays one tensor.
+void Baseline::attach_model(models::BlockModel model) {
+  // Module::to() swaps each parameter's (and buffer's) data in place, so a tied parameter stays one
+  // tensor.
   for (const auto& block : model.blocks()) block->to(config_.device);
   optimizer_state_.assign(model.parameters().size(), {});
   model_.emplace(std::move(model));
@@ -62,22 +63,17 @@ void Baseline::optimizer_step() {
 }
 
 NamedTensors Baseline::gradients() {
-  NamedTensors out;
+  std::vector<models::NamedParameter> grads;
   for (const auto& p : model().parameters()) {
     const auto& g = p.tensor.grad();
-    // Copies, also on the CPU, where .cpu() would hand out the live tensor the next step changes.
-    out.emplace_back(p.name, g.defined() ? g.detach().to(torch::kCPU, false, /*copy=*/true)
-                                         : torch::zeros_like(p.tensor, torch::kCPU));
+    grads.push_back({p.name, g.defined() ? g : torch::zeros_like(p.tensor), p.owner_block});
   }
-  return out;
+  return host_copies(grads);
 }
 
-NamedTensors Baseline::parameters() {
-  NamedTensors out;
-  for (const auto& p : model().parameters())
-    out.emplace_back(p.name, p.tensor.detach().to(torch::kCPU, false, /*copy=*/true));
-  return out;
-}
+NamedTensors Baseline::parameters() { return host_copies(model().parameters()); }
+
+NamedTensors Baseline::buffers() { return host_copies(model().buffers()); }
 
 Stats Baseline::stats() {
   Stats s;

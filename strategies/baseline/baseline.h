@@ -19,14 +19,17 @@ class Baseline : public Strategy {
   Baseline(std::string name, const StrategyConfig& config, BaselineOptions options);
 
   std::string name() const override { return name_; }
-  void attach(models::BlockModel model) override;
   double train_step(const models::Batch& batch) override;
   torch::Tensor forward(const torch::Tensor& input) override;
   void optimizer_step() override;
   NamedTensors gradients() override;
   NamedTensors parameters() override;
+  NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
+
+ protected:
+  void attach_model(models::BlockModel model) override;
 
  private:
   torch::Tensor run_blocks(torch::Tensor x, bool checkpoint);

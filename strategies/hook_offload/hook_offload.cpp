@@ -42,11 +42,13 @@ void HookOffloadOptions::validate_for(int64_t num_blocks) const {
 // parameter several blocks share (a tied weight). Each has one flat pinned host copy of its values
 // and gradients, and one flat device buffer whose memory exists only while it is held.
 struct HookOffload::Unit {
-  std::vector<int64_t> params;  ///< indices into model().parameters(), in flat order
+  std::vector<int64_t> params;  ///< indices into model().parameters(), in flat order: trainable ones first
   int64_t numel = 0;
   int64_t bytes = 0;
+  int64_t trainable_numel = 0;  ///< the leading elements that train; the rest are frozen
   int users = 0;                ///< blocks whose window holds this unit
-  torch::Tensor host_param, host_grad;
+  torch::Tensor host_param;
+  torch::Tensor host_grad;      ///< trainable_numel elements; undefined for a unit that is all frozen
   torch::Tensor device_flat;    ///< parameters are views of it; its storage is released when unheld
   int references = 0;
   device::Event loaded;
@@ -92,7 +94,7 @@ bool HookOffload::recompute_block(int64_t block) const {
   return options_.recompute && !merged(block) && !permanent_[block];
 }
 
-void HookOffload::attach(models::BlockModel model) {
+void HookOffload::attach_model(models::BlockModel model) {
   options_.validate_for(model.num_blocks());
   const auto& params = model.parameters();
   const auto& uses = model.block_parameters();
@@ -124,6 +126,11 @@ void HookOffload::attach(models::BlockModel model) {
   }
   for (const auto& w : windows_)
     for (auto u : w) ++units_[u].users;
+  // Trainable parameters first in each flat buffer, so gradients and the optimizer cover one
+  // contiguous prefix and frozen ones cost no gradient bytes.
+  for (auto& unit : units_)
+    std::stable_partition(unit.params.begin(), unit.params.end(),
+                          [&](int64_t p) { return params[p].tensor.requires_grad(); });
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
@@ -136,10 +143,12 @@ void HookOffload::attach(models::BlockModel model) {
                          << "; hook_offload handles float32 parameters");
       param_slot_[p] = {static_cast<int64_t>(u), unit.numel};
       unit.numel += params[p].tensor.numel();
+      if (params[p].tensor.requires_grad()) unit.trainable_numel = unit.numel;
     }
     unit.bytes = unit.numel * static_cast<int64_t>(sizeof(float));
     unit.host_param = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
-    unit.host_grad = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+    if (unit.trainable_numel > 0)
+      unit.host_grad = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
     unit.device_flat = torch::empty({unit.numel}, dev_options);
     for (auto p : unit.params) {
       auto& t = params[p].tensor;
@@ -149,6 +158,8 @@ void HookOffload::attach(models::BlockModel model) {
     }
     compat::release_storage(unit.device_flat.storage());
   }
+  // Buffers move to the device once and stay (Module::to semantics: the same tensor, new data).
+  for (const auto& b : model.buffers()) b.tensor.set_data(b.tensor.to(config_.device));
   held_.assign(windows_.size(), false);
   kept_.assign(windows_.size(), {});
   permanent_.assign(windows_.size(), false);
@@ -264,23 +275,26 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
+    if (unit.trainable_numel == 0) continue;  // all frozen: nothing goes back, nothing to update
     std::vector<torch::Tensor> parts;
     for (auto p : unit.params) {
-      auto g = grad_of.at(params[p].tensor.unsafeGetTensorImpl());
-      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({params[p].tensor.numel()}, params[p].tensor.options()));
+      const auto& t = params[p].tensor;
+      if (!t.requires_grad()) break;  // the frozen tail
+      auto g = grad_of.at(t.unsafeGetTensorImpl());
+      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options()));
     }
     // A fresh autograd result, read by the copy only; marked in use by the copy stream below.
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
     auto produced = compute_.record();
     d2h_.wait(produced);
     d2h_.keep_alive(flat);
-    bytes_d2h_ += unit.bytes;
+    bytes_d2h_ += flat.nbytes();
     if (!unit.grad_filled) {
       d2h_.copy(unit.host_grad, flat);
       unit.grad_filled = true;
     } else {
       // A second use of a tied parameter (or another micro-batch): add on the host once it lands.
-      auto staging = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+      auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
       d2h_.copy(staging, flat);
       auto landed = d2h_.record();
       host_.submit([landed, staging, grad = unit.host_grad] {
@@ -292,7 +306,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       auto landed = d2h_.record();
       host_.submit([this, landed, &unit] {
         landed.synchronize();
-        optimizer_update(config_.optimizer, unit.host_param, unit.host_grad, unit.optimizer);
+        update_on_host(unit);
       });
     }
   }
@@ -314,7 +328,9 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
     self->before_compute(block, /*backward=*/false);
     torch::Tensor out;
     if (self->recompute_block(block)) {
-      ctx->save_for_backward({x});
+      variable_list saved{x};  // and the buffers as they are before this forward, for the recompute
+      for (auto& b : snapshot_buffers(module)) saved.push_back(std::move(b));
+      ctx->save_for_backward(saved);
       out = module.forward(x);
     } else {
       // Keep the block's own graph; its saved views of the parameters share the unit's storage,
@@ -331,13 +347,17 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
     auto& module = *self->model().blocks()[block];
     self->before_compute(block, /*backward=*/true);
     KeptGraph graph;
+    std::optional<BuffersAsBefore> as_before;  // through the gradients: the recomputed graph saw these values
     if (self->recompute_block(block)) {
-      graph = run_keeping_graph(module, ctx->get_saved_variables()[0]).second;
+      auto saved = ctx->get_saved_variables();
+      as_before.emplace(module, variable_list(saved.begin() + 1, saved.end()));
+      graph = run_keeping_graph(module, saved[0]).second;
     } else {
       graph = std::move(self->kept_graphs()[block]);
       self->kept_graphs()[block] = {};
     }
     auto grads = block_gradients(std::move(graph), grad_out);
+    as_before.reset();
     self->flush_gradients(block, grads.params);
     self->after_compute(block, /*backward=*/true);
     return {torch::Tensor(), torch::Tensor(), grads.input, torch::Tensor()};
@@ -411,7 +431,7 @@ void HookOffload::optimizer_step() {
   h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
   if (!options_.overlap_optimizer) {
     for (auto& unit : units_)
-      if (unit.grad_filled) optimizer_update(config_.optimizer, unit.host_param, unit.host_grad, unit.optimizer);
+      if (unit.grad_filled) update_on_host(unit);
   }
   step_in_flight_ = false;
   for (auto& unit : units_) unit.grad_filled = false;
@@ -426,6 +446,11 @@ void HookOffload::optimizer_step() {
   }
 }
 
+void HookOffload::update_on_host(Unit& unit) {
+  auto trainable = unit.host_param.narrow(0, 0, unit.trainable_numel);
+  optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer);
+}
+
 torch::Tensor HookOffload::host_copy(size_t p, const torch::Tensor& host_flat) const {
   const auto [u, offset] = param_slot_[p];
   const auto& t = model_->parameters()[p].tensor;
@@ -438,9 +463,16 @@ NamedTensors HookOffload::gradients() {
   NamedTensors out;
   for (size_t p = 0; p < params.size(); ++p) {
     const auto& unit = units_[param_slot_[p].first];
-    out.emplace_back(params[p].name, unit.grad_filled ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes()));
+    const bool has = unit.grad_filled && params[p].tensor.requires_grad();
+    out.emplace_back(params[p].name, has ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes()));
   }
   return out;
+}
+
+NamedTensors HookOffload::buffers() {
+  model();
+  device::synchronize(config_.device);
+  return host_copies(model().buffers());
 }
 
 NamedTensors HookOffload::parameters() {

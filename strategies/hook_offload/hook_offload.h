@@ -8,6 +8,11 @@
 //
 // LibTorch modules have no hooks, so each block runs inside a custom autograd function that owns
 // load, compute, recompute and release.
+//
+// Frozen parameters (requires_grad=false) travel with their unit but have no host gradient buffer,
+// are never sent back and never updated. Buffers (running statistics, fixed tables) live on the
+// device for good: they are small next to the weights, and a buffer the forward updates must keep
+// one value across forward, recompute and the next step.
 #include <deque>
 #include <optional>
 
@@ -38,12 +43,12 @@ class HookOffload : public Strategy {
   ~HookOffload() override;
 
   std::string name() const override { return name_; }
-  void attach(models::BlockModel model) override;
   double train_step(const models::Batch& batch) override;
   torch::Tensor forward(const torch::Tensor& input) override;
   void optimizer_step() override;
   NamedTensors gradients() override;
   NamedTensors parameters() override;
+  NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
 
@@ -60,6 +65,9 @@ class HookOffload : public Strategy {
   bool recompute_block(int64_t block) const;
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
 
+ protected:
+  void attach_model(models::BlockModel model) override;
+
  private:
   struct Unit;
   void acquire(Unit& unit);
@@ -70,6 +78,8 @@ class HookOffload : public Strategy {
   void prefetch_from(int64_t block, bool backward);
   void finish_pending();
   bool merged(int64_t block) const;
+  /// The unit's optimizer step over its trainable prefix, on the host.
+  void update_on_host(Unit& unit);
   /// A copy of parameter p's slice of its unit's flat host buffer (values or gradients), shaped.
   torch::Tensor host_copy(size_t p, const torch::Tensor& host_flat) const;
 

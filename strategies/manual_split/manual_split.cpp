@@ -108,7 +108,7 @@ models::BlockModel& ManualSplit::model() {
   return *model_;
 }
 
-void ManualSplit::attach(models::BlockModel model) {
+void ManualSplit::attach_model(models::BlockModel model) {
   const auto n = model.num_blocks();
   // Stage devices: the options' list, else the config's, else `stages` copies of the main device.
   if (!options_.devices.empty()) {
@@ -183,8 +183,11 @@ void ManualSplit::attach(models::BlockModel model) {
       const auto dev = devices_[i % stages];
       Shard shard{lo, hi, dev, {}, {}, {}, {}};
       torch::NoGradGuard no_grad;
-      shard.weight = head->weight().narrow(0, lo, hi - lo).to(dev).clone().requires_grad_(true);
-      if (head_bias_ >= 0) shard.bias = head->bias().narrow(0, lo, hi - lo).to(dev).clone().requires_grad_(true);
+      auto shard_of = [&](const torch::Tensor& t) {  // a frozen head stays frozen in its shards
+        return t.narrow(0, lo, hi - lo).to(dev).clone().requires_grad_(t.requires_grad());
+      };
+      shard.weight = shard_of(head->weight());
+      if (head_bias_ >= 0) shard.bias = shard_of(head->bias());
       shards_.push_back(std::move(shard));
     }
   }
@@ -208,8 +211,27 @@ void ManualSplit::attach(models::BlockModel model) {
                                     [&](const Replica& r) { return r.param == p && r.stage == s; });
       if (have) continue;
       torch::NoGradGuard no_grad;
-      replicas_.push_back({p, s, params[p].tensor.detach().to(devices_[s]).clone().requires_grad_(true)});
+      const auto& home = params[p].tensor;
+      replicas_.push_back({p, s, home.detach().to(devices_[s]).clone().requires_grad_(home.requires_grad())});
     }
+  }
+  // Buffers go with their block; one held by blocks of two devices would need a replica that
+  // stays equal to it, which nothing here keeps.
+  const auto& buffers = model.buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    std::vector<int64_t> holders;
+    for (int64_t b = 0; b < n; ++b) {
+      const auto& held = model.block_buffers()[b];
+      if (std::find(held.begin(), held.end(), static_cast<int64_t>(i)) != held.end()) holders.push_back(b);
+    }
+    const auto& dev = devices_[stage_of_[holders.front()]];
+    for (auto b : holders)
+      STRATA_CHECK(devices_[stage_of_[b]] == dev,
+                   "manual_split: buffer '" << buffers[i].name << "' is held by block " << holders.front() << " on "
+                                            << dev << " and by block " << b << " on " << devices_[stage_of_[b]]
+                                            << "; a buffer shared across devices is not supported (put those "
+                                               "blocks in one stage with balance=...)");
+    buffers[i].tensor.set_data(buffers[i].tensor.to(dev));
   }
   optimizer_state_.assign(params.size(), {});
   kept_.assign(n, {});
@@ -327,6 +349,8 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
   }
   // The shift is gradient-neutral, so it is taken out of the graph.
   auto global_max = std::get<0>(torch::stack(maxima).max(0));
+  // Rows whose target is kIgnoreIndex leave the sum and the count, as in the model's own loss.
+  auto valid = (y != models::kIgnoreIndex);
   torch::Tensor sum_exp, target_logit;
   for (size_t k = 0; k < shards_.size(); ++k) {
     const auto& s = shards_[k];
@@ -340,7 +364,8 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
     sum_exp = k == 0 ? sk.to(out_dev) : sum_exp + sk.to(out_dev);
     target_logit = k == 0 ? tk.to(out_dev) : target_logit + tk.to(out_dev);
   }
-  return (torch::log(sum_exp) + global_max - target_logit).mean();
+  auto per_row = (torch::log(sum_exp) + global_max - target_logit) * valid.to(sum_exp.scalar_type());
+  return per_row.sum() / valid.sum().to(per_row.scalar_type());
 }
 
 torch::Tensor ManualSplit::run_blocks(torch::Tensor x, const torch::Tensor& target, torch::Tensor* loss) {
@@ -462,6 +487,8 @@ NamedTensors ManualSplit::parameters() {
   }
   return out;
 }
+
+NamedTensors ManualSplit::buffers() { return host_copies(model().buffers()); }
 
 double ManualSplit::max_replica_drift() {
   double drift = 0.0;

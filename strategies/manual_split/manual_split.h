@@ -8,6 +8,9 @@
 // and the replica is re-synced from the home after it. The last block, if it is a linear head, can
 // be split by output columns over several devices with a cross-entropy computed across the shards
 // (vocabulary-parallel), so a classifier larger than any one device trains.
+//
+// A block's buffers live on its stage's device. Frozen parameters (requires_grad=false), and their
+// replicas, get no gradient and no update.
 #include <optional>
 
 #include "strategies/checkpoint.h"
@@ -33,12 +36,12 @@ class ManualSplit : public Strategy {
   ManualSplit(std::string name, const StrategyConfig& config, ManualSplitOptions options);
 
   std::string name() const override { return name_; }
-  void attach(models::BlockModel model) override;
   double train_step(const models::Batch& batch) override;
   torch::Tensor forward(const torch::Tensor& input) override;
   void optimizer_step() override;
   NamedTensors gradients() override;
   NamedTensors parameters() override;
+  NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
 
@@ -75,6 +78,9 @@ class ManualSplit : public Strategy {
     std::vector<torch::Tensor> saved_;
   };
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
+
+ protected:
+  void attach_model(models::BlockModel model) override;
 
  private:
   torch::Tensor move(const torch::Tensor& x, int64_t from_stage, int64_t to_stage, bool counts_backward);
