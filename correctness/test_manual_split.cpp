@@ -56,9 +56,9 @@ TEST(ManualSplit, partition_minimises_the_heaviest_stage) {
   EXPECT_EQ(ManualSplit::partition({10, 1, 1, 1}, 2), (std::vector<int64_t>{1, 3}));
   // Against brute force over every way to cut.
   const bool ok = rc::check("partition is optimal", [] {
-    const auto n = *rc::gen::inRange<int64_t>(2, 8);
-    const auto stages = *rc::gen::inRange<int64_t>(1, n + 1);
-    const auto w = *rc::gen::container<std::vector<double>>(static_cast<size_t>(n), rc::gen::map(rc::gen::inRange(1, 100), [](int x) { return double(x); }));
+    const auto n = *correctness::uniform<int64_t>(2, 9);
+    const auto stages = *correctness::uniform<int64_t>(1, n + 1);
+    const auto w = *rc::gen::container<std::vector<double>>(static_cast<size_t>(n), rc::gen::map(correctness::uniform(1, 100), [](int x) { return double(x); }));
     const auto balance = ManualSplit::partition(w, stages);
     RC_ASSERT(static_cast<int64_t>(balance.size()) == stages);
     double heaviest = 0, start = 0;
@@ -178,16 +178,15 @@ TEST(ManualSplit, forward_only_matches_the_baseline) {
   }
 }
 
-TEST(ManualSplit, bytes_across_stages_equal_the_analytic_count) {
-  // MLP with 3 blocks split {1,2}: one boundary; the [batch, width] activation goes over in
-  // forward and its gradient comes back in backward. No tied parameter, so no replica traffic.
-  const auto config = models::preset("mlp-tiny").config;
-  auto s = make_split({{"balance", "1,2"}, {"devices", devices(2)}});
+TEST(ManualSplit, stages_sharing_a_device_move_nothing_across_devices) {
+  // Two stages on one device: the activation never leaves it, so no interconnect byte is counted.
+  const auto config = models::preset("gpt-tiny").config;
+  auto s = make_split({{"balance", "2,2"}, {"devices", devices(2)}});
   s->attach(models::build_model(config, 0));
-  const int64_t batch = 5;
   s->reset_stats();
-  s->train_step(models::make_batch(config, batch, 1));
-  EXPECT_EQ(s->stats().bytes_interconnect, 2 * batch * config.width * 4);
+  s->train_step(models::make_batch(config, 3, 1));
+  s->optimizer_step();
+  EXPECT_EQ(s->stats().bytes_interconnect, 0);
 }
 
 }  // namespace
@@ -276,6 +275,22 @@ TEST(MultiGpu, a_buffer_shared_across_devices_is_refused_by_name) {
   models::BlockModel model(models::ModelConfig{}, {std::make_shared<Holder>(shared), std::make_shared<Holder>(shared)});
   auto s = make_split({{"devices", "cuda:0,cuda:1"}});
   EXPECT_THAT(error_of([&] { s->attach(std::move(model)); }), HasSubstr("buffer '0.table' is held by block 0"));
+}
+
+TEST(MultiGpu, bytes_across_devices_count_when_they_move) {
+  // MLP with 3 blocks split {1,2} over two GPUs: one boundary. Forward moves the [batch, width]
+  // activation over; backward moves its gradient back, and only then is it counted.
+  const auto config = models::preset("mlp-tiny").config;
+  auto s = make_split({{"balance", "1,2"}, {"devices", "cuda:0,cuda:1"}});
+  s->attach(models::build_model(config, 0));
+  const int64_t batch = 5, activation = batch * config.width * 4;
+  const auto b = models::make_batch(config, batch, 1);
+  s->reset_stats();
+  s->forward(b.input);
+  EXPECT_EQ(s->stats().bytes_interconnect, activation) << "forward only";
+  s->reset_stats();
+  s->train_step(b);
+  EXPECT_EQ(s->stats().bytes_interconnect, 2 * activation) << "forward and backward";
 }
 
 TEST(MultiGpu, prop_split_over_two_devices_matches_the_baseline) {

@@ -2,6 +2,8 @@
 // parameter counts against the architecture's formulas, and sane outputs.
 #include <gtest/gtest.h>
 
+#include <ATen/record_function.h>
+
 #include <cmath>
 
 #include "correctness/support/test_device.h"
@@ -104,12 +106,56 @@ TEST(Models, batches_are_deterministic_and_in_range) {
                            a.target.index({Slice(), Slice(0, c.seq_len - 1)})));
 }
 
-TEST(Models, flops_per_item_match_the_hand_count) {
-  const auto c = models::preset("gpt-871m").config;
-  models::BlockModel empty(c, {});
-  const double d = 2048, L = 16, V = 32000, T = 1024;
-  EXPECT_DOUBLE_EQ(empty.forward_flops_per_item(), 2 * (L * 12 * d * d + V * d) + 4 * L * T * d);
-  EXPECT_EQ(empty.items_per_batch(8), 8 * 1024);
+// FLOPs of the matrix products a forward really runs, counted from the operators' input shapes as
+// the dispatcher sees them (two per multiply-add; attention as one fused operator counts its two
+// products over the full square, as the formula does). Independent of models/model.cpp's formula.
+namespace flop_count {
+thread_local double total = 0;
+thread_local int inside_attention = 0;
+struct Attention : at::ObserverContext {};
+
+int64_t dim(const c10::IValue& v, int64_t i) { return v.toTensor().size(i); }
+
+std::unique_ptr<at::ObserverContext> start(const at::RecordFunction& fn) {
+  const std::string name = fn.name();
+  if (inside_attention > 0) return nullptr;  // a fused operator's own pieces are counted with it
+  const auto in = fn.inputs();
+  if (name == "aten::mm") total += 2.0 * dim(in[0], 0) * dim(in[0], 1) * dim(in[1], 1);
+  if (name == "aten::addmm") total += 2.0 * dim(in[1], 0) * dim(in[1], 1) * dim(in[2], 1);
+  if (name == "aten::bmm") total += 2.0 * dim(in[0], 0) * dim(in[0], 1) * dim(in[0], 2) * dim(in[1], 2);
+  if (name == "aten::baddbmm") total += 2.0 * dim(in[1], 0) * dim(in[1], 1) * dim(in[1], 2) * dim(in[2], 2);
+  if (name.find("scaled_dot_product") != std::string::npos) {
+    const auto& q = in[0].toTensor();
+    total += 4.0 * q.size(0) * q.size(1) * q.size(2) * in[1].toTensor().size(2) * q.size(3);
+    ++inside_attention;
+    return std::make_unique<Attention>();
+  }
+  return nullptr;
+}
+void end(const at::RecordFunction&, at::ObserverContext* ctx) {
+  if (ctx) --inside_attention;
+}
+
+double of_forward(models::BlockModel& model, const torch::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  total = 0;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(start, end).needsInputs(true));
+  auto x = input;
+  for (auto& b : model.blocks()) x = b->forward(x);
+  at::removeCallback(handle);
+  return total;
+}
+}  // namespace flop_count
+
+TEST(Models, flops_per_item_match_the_products_a_forward_runs) {
+  for (const auto* name : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
+    auto config = models::preset(name).config;
+    auto model = models::build_model(config, 0);
+    const int64_t batch = 3;
+    const double counted = flop_count::of_forward(model, models::make_batch(config, batch, 1).input);
+    EXPECT_GT(counted, 0) << name;
+    EXPECT_NEAR(model.forward_flops_per_item() * model.items_per_batch(batch), counted, 1e-9 * counted) << name;
+  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "correctness/support/regressions.h"
 #include "correctness/support/test_device.h"
 #include "strategies/baseline/baseline.h"
+#include "strategies/options.h"
 
 namespace strata::correctness {
 namespace {
@@ -191,6 +192,25 @@ class TrainsFrozen : public Baseline {
   }
 };
 
+// Forgets the gradients of an earlier train_step: accumulation promised, not delivered.
+class NoAccumulation : public Baseline {
+ public:
+  explicit NoAccumulation(const StrategyConfig& c) : Baseline("no_accumulation", c, {}) {}
+  double train_step(const models::Batch& batch) override {
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+    return Baseline::train_step(batch);
+  }
+
+ protected:
+  void attach_model(models::BlockModel model) override {
+    for (const auto& p : model.parameters()) params_.push_back(p.tensor);
+    Baseline::attach_model(std::move(model));
+  }
+
+ private:
+  std::vector<torch::Tensor> params_;
+};
+
 // Right, but every reported value one ulp away from the baseline's: rounding, which must pass.
 class OffByOneUlp : public Baseline {
  public:
@@ -235,6 +255,14 @@ TEST(ParityChecker, catches_a_doubled_gradient) {
     EXPECT_FALSE(r.ok) << pc.to_string();
     EXPECT_THAT(r.message, HasSubstr("gradient")) << pc.to_string();
   }
+}
+
+TEST(ParityChecker, catches_a_strategy_that_does_not_accumulate) {
+  ParityCase c;
+  c.model = models::preset("mlp-tiny").config;
+  const auto r = check_with<NoAccumulation>(c);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.message, HasSubstr("accumulated over two batches"));
 }
 
 TEST(ParityChecker, catches_buffers_updated_twice) {
@@ -330,5 +358,114 @@ TEST(Generators, block_count_matches_the_built_model) {
   const auto chain = ChainSpec::parse(kOwnModels[0]);
   EXPECT_EQ(chain.num_blocks(), chain.build(0).num_blocks());
 }
+}  // namespace
+}  // namespace strata::correctness
+
+namespace strata::correctness {
+namespace {
+// Parity accumulates two batches at its second step for every strategy that says it accumulates;
+// the others must refuse a second train_step with an Error that says why, never train wrongly.
+TEST_P(Parity, gradient_accumulation_is_exact_or_refused) {
+  StrategyConfig config;
+  config.device = test::device();
+  auto s = Registry::create(GetParam(), config);
+  const auto c = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(c, 1));
+  s->train_step(models::make_batch(c, 2, 5));
+  if (s->accumulates_gradients()) {
+    ParityCase pc;
+    pc.model = c;
+    pc.steps = 2;
+    const auto r = check_parity(GetParam(), pc, test::device());
+    EXPECT_TRUE(r.ok) << r.message;
+  } else {
+    EXPECT_THAT(test::error_of([&] { s->train_step(models::make_batch(c, 2, 6)); }), HasSubstr("optimizer_step"));
+  }
+}
+}  // namespace
+}  // namespace strata::correctness
+
+namespace strata::correctness {
+namespace {
+
+// The generators reach their whole ranges at the sizes CI runs them at (rapidcheck's size grows from
+// 0 with the case number; CI runs 25 cases): over a fixed number of draws at sizes 0..50, every
+// model kind, stage count up to 4, shard count up to 3, library block and option value appears at
+// least the stated fraction of the time.
+template <typename T>
+std::vector<T> draw(const rc::Gen<T>& gen, int n) {
+  std::vector<T> out;
+  rc::Random random(20261130);
+  for (int i = 0; i < n; ++i) out.push_back(gen(random.split(), i % 51).value());
+  return out;
+}
+
+template <typename T, typename F>
+double fraction(const std::vector<T>& all, F&& pred) {
+  return static_cast<double>(std::count_if(all.begin(), all.end(), pred)) / static_cast<double>(all.size());
+}
+
+constexpr int kDraws = 2000;
+
+TEST(Generators, model_kinds_sizes_batches_and_targets_cover_their_ranges) {
+  const auto cases = draw(gen_parity_case("baseline", {"cpu"}), kDraws);
+  for (auto kind : {models::ModelKind::mlp, models::ModelKind::gpt, models::ModelKind::bert})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return !c.chain && c.model.kind == kind; }), 0.10)
+        << models::to_string(kind);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.chain.has_value(); }), 0.30);
+  for (int64_t depth = 1; depth <= 3; ++depth)
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return !c.chain && c.model.depth == depth; }), 0.10) << depth;
+  for (int64_t heads = 1; heads <= 3; ++heads)
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return !c.chain && c.model.kind != models::ModelKind::mlp && c.model.heads == heads; }), 0.05)
+        << heads;
+  for (int64_t batch = 1; batch <= 5; ++batch)
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.batch_size == batch; }), 0.10) << batch;
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.ignore_targets; }), 0.30);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return !c.ignore_targets; }), 0.30);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return !c.chain && c.model.tied; }), 0.15);
+}
+
+TEST(Generators, chains_use_every_library_block_and_share_parameters) {
+  const auto chains = draw(gen_chain_spec(), kDraws);
+  for (const auto* token : {"lin", "act", "bn", "table", "frozen", "frozen_block", "conv", "shared0", "shared1"})
+    EXPECT_GE(fraction(chains, [&](const ChainSpec& c) { return c.has(token); }), 0.10) << token;
+  // A shared parameter always has at least two users.
+  for (const auto& c : chains)
+    for (const auto* group : {"shared0", "shared1"}) {
+      const auto users = std::count(c.blocks.begin(), c.blocks.end(), std::string(group));
+      EXPECT_TRUE(users == 0 || users >= 2) << c.to_string();
+    }
+  const auto no_bn = draw(gen_chain_spec({/*batch_coupled_blocks=*/false}), kDraws);
+  EXPECT_EQ(fraction(no_bn, [](const ChainSpec& c) { return c.has("bn"); }), 0.0);
+}
+
+TEST(Generators, manual_split_reaches_four_stages_and_three_shards) {
+  const auto cases = draw(gen_parity_case("manual_split", {"cpu"}), kDraws);
+  auto stages = [](const ParityCase& c) { return static_cast<int64_t>(split(c.options.at("devices")).size()); };
+  for (int64_t n = 1; n <= 4; ++n)
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return stages(c) == n; }), 0.05) << n << " stages";
+  for (const auto* shards : {"2", "3"})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) {
+                auto it = c.options.find("classifier_shards");
+                return it != c.options.end() && it->second == shards;
+              }),
+              0.05)
+        << shards << " shards";
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("balance") > 0; }), 0.30);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("weigh") && c.options.at("weigh") == "memory"; }), 0.15);
+}
+
+TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_its_default) {
+  const auto cases = draw(gen_parity_case("hook_offload", {"cpu"}), kDraws);
+  for (const auto* prefetch : {"0", "1", "2", "3"})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.at("prefetch") == prefetch; }), 0.15) << prefetch;
+  for (const auto* a : {"keep", "recompute"})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.at("activations") == a; }), 0.30) << a;
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident") > 0; }), 0.15);
+  // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it.
+  const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);
+  EXPECT_EQ(fraction(sync, [](const ParityCase& c) { return c.options.count("prefetch") > 0; }), 0.0);
+}
+
 }  // namespace
 }  // namespace strata::correctness

@@ -58,9 +58,18 @@ class Strategy {
   /// Once per strategy object: a second call is an Error (a strategy's buffers, streams and
   /// optimizer state belong to one model; build a new strategy for another).
   void attach(models::BlockModel model);
-  /// Forward and backward over `batch` (host tensors); gradients accumulate until
-  /// optimizer_step(). Returns the mean loss.
+  /// Forward and backward over `batch` (host tensors); returns the mean loss over its targets
+  /// (kIgnoreIndex ones left out). Gradients accumulate over train_steps until optimizer_step(),
+  /// as with autograd's .grad, unless accumulates_gradients() says otherwise.
   virtual double train_step(const models::Batch& batch) = 0;
+  /// False for a strategy that applies each step's gradients while backward runs (an overlapped
+  /// optimizer): it requires optimizer_step() after every train_step and refuses a second
+  /// train_step with an Error.
+  virtual bool accumulates_gradients() const { return true; }
+  /// Blocks until the work train_step queued for its backward (gradients on their way to where
+  /// the strategy keeps them) has finished, so a timer can tell backward from optimizer time.
+  /// Optimizer work overlapped with backward is not waited for.
+  virtual void finish_backward() {}
   /// Forward only, without building a graph; returns the output on the strategy's last device.
   virtual torch::Tensor forward(const torch::Tensor& input) = 0;
   /// One optimizer step wherever the strategy keeps master parameters, then zeroes gradients.

@@ -21,6 +21,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
+  o.debug_release_late = reader.get_bool("debug_release_late", o.debug_release_late);
   reader.finish();
   o.validate();
   return o;
@@ -263,6 +264,11 @@ void HookOffload::before_compute(int64_t block, bool backward) {
 
 void HookOffload::after_compute(int64_t block, bool backward) {
   if (!backward && merged(block)) return;  // stays for its backward
+  if (options_.debug_release_late) {
+    if (released_late_ >= 0) drop_window(released_late_);
+    released_late_ = block;
+    return;
+  }
   drop_window(block);
 }
 
@@ -366,6 +372,13 @@ struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
 
 }  // namespace
 
+void HookOffload::finish_backward() {
+  d2h_.synchronize();
+  // Without the overlapped optimizer the host queue holds only backward's work (a tied weight's
+  // second gradient added on the host); with it, the optimizer updates run there too.
+  if (!options_.overlap_optimizer) host_.drain();
+}
+
 void HookOffload::finish_pending() {
   host_.drain();
   d2h_.synchronize();
@@ -385,6 +398,7 @@ double HookOffload::train_step(const models::Batch& batch) {
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
     for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    released_late_ = -1;
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
     if (failed) {

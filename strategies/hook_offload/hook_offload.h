@@ -30,6 +30,7 @@ struct HookOffloadOptions {
   bool overlap_optimizer = false;      ///< update each unit on the host as soon as its gradients land
   bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
+  bool debug_release_late = false;     ///< each window is dropped one block late: a deliberate bug (tests)
 
   static HookOffloadOptions parse(const std::map<std::string, std::string>& options);
   void validate() const;
@@ -44,6 +45,8 @@ class HookOffload : public Strategy {
 
   std::string name() const override { return name_; }
   double train_step(const models::Batch& batch) override;
+  bool accumulates_gradients() const override { return !options_.overlap_optimizer; }
+  void finish_backward() override;
   torch::Tensor forward(const torch::Tensor& input) override;
   void optimizer_step() override;
   NamedTensors gradients() override;
@@ -98,6 +101,7 @@ class HookOffload : public Strategy {
   device::Stream compute_, h2d_, d2h_;
   device::HostQueue host_;
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
+  int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
 };
 

@@ -308,22 +308,42 @@ struct ReplicaBlock : torch::autograd::Function<ReplicaBlock> {
 
 }  // namespace
 
-torch::Tensor ManualSplit::move(const torch::Tensor& x, int64_t from_stage, int64_t to_stage, bool counts_backward) {
-  if (from_stage == to_stage) return x;
-  // A stage boundary: the activation goes over, and in backward its gradient comes back.
-  bytes_interconnect_ += x.nbytes() * ((counts_backward && x.requires_grad()) ? 2 : 1);
-  return x.to(devices_[to_stage]);
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A move between devices as an autograd operation, so its bytes count when they move: the
+// activation's in forward, its gradient's in backward (when that runs, if it runs).
+struct Transfer : torch::autograd::Function<Transfer> {
+  static torch::Tensor forward(AutogradContext* ctx, ManualSplit* self, torch::Tensor x, std::string to) {
+    ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
+    ctx->saved_data["from"] = x.device().str();
+    return x.to(torch::Device(to));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto* self = reinterpret_cast<ManualSplit*>(ctx->saved_data["self"].toInt());
+    const torch::Device from(ctx->saved_data["from"].toStringRef());
+    auto g = grad_out[0].to(from);
+    self->count_interconnect(g.nbytes());
+    return {torch::Tensor(), g, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor ManualSplit::transfer(const torch::Tensor& x, const torch::Device& to) {
+  if (x.device() == to) return x;  // stages sharing a device move nothing
+  count_interconnect(x.nbytes());
+  if (!x.requires_grad() || !torch::GradMode::is_enabled()) return x.to(to);
+  return Transfer::apply(this, x, to.str());
 }
 
 torch::Tensor ManualSplit::sharded_logits(const torch::Tensor& features) {
-  const auto last = static_cast<int64_t>(devices_.size()) - 1;
+  const auto& out_dev = devices_.back();
   std::vector<torch::Tensor> parts;
-  for (auto& s : shards_) {
-    auto h = features.to(s.device);
-    auto z = torch::nn::functional::linear(h, s.weight, s.bias);
-    if (s.device != devices_[last]) bytes_interconnect_ += features.nbytes() + z.nbytes();
-    parts.push_back(z.to(devices_[last]));
-  }
+  for (auto& s : shards_)
+    parts.push_back(transfer(torch::nn::functional::linear(transfer(features, s.device), s.weight, s.bias), out_dev));
   return torch::cat(parts, -1);
 }
 
@@ -331,20 +351,15 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
   // Cross-entropy over column shards, never holding [N, classes] on one device:
   //   loss_n = log sum_k sum_c exp(z_k[n,c] - M_n) + M_n - z[n, y_n],  M_n = max over all shards
   // Each shard sends back three [N] vectors (its max, its sum of exponentials, its target logit).
-  const auto out_dev = devices_.back();
+  const auto& out_dev = devices_.back();
   const auto d = features.size(-1);
   auto h = features.reshape({-1, d});
   auto y = target.reshape({-1}).to(out_dev);
-  const auto rows = h.size(0);
   std::vector<torch::Tensor> logits;
   std::vector<torch::Tensor> maxima;
   for (auto& s : shards_) {
-    const bool remote = s.device != out_dev;
-    if (remote) bytes_interconnect_ += 2 * h.nbytes();  // features over, their gradient back
-    auto z = torch::nn::functional::linear(h.to(s.device), s.weight, s.bias);
-    maxima.push_back(std::get<0>(z.detach().max(1)).to(out_dev));
-    // Its maximum comes back; the global maximum and the targets go over.
-    if (remote) bytes_interconnect_ += rows * (2 * 4 + y.element_size());
+    auto z = torch::nn::functional::linear(transfer(h, s.device), s.weight, s.bias);
+    maxima.push_back(transfer(std::get<0>(z.detach().max(1)), out_dev));
     logits.push_back(z);
   }
   // The shift is gradient-neutral, so it is taken out of the graph.
@@ -354,15 +369,14 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
   torch::Tensor sum_exp, target_logit;
   for (size_t k = 0; k < shards_.size(); ++k) {
     const auto& s = shards_[k];
-    auto m = global_max.to(s.device);
+    auto m = transfer(global_max, s.device);
     auto sk = torch::exp(logits[k] - m.unsqueeze(1)).sum(1);
-    auto yk = y.to(s.device);
+    auto yk = transfer(y, s.device);
     auto in_shard = (yk >= s.lo).logical_and(yk < s.hi);
     auto local = (yk - s.lo).clamp(0, s.hi - s.lo - 1);
     auto tk = logits[k].gather(1, local.unsqueeze(1)).squeeze(1) * in_shard.to(logits[k].scalar_type());
-    if (s.device != out_dev) bytes_interconnect_ += 4 * rows * 4;  // sums and target logits, and their gradients
-    sum_exp = k == 0 ? sk.to(out_dev) : sum_exp + sk.to(out_dev);
-    target_logit = k == 0 ? tk.to(out_dev) : target_logit + tk.to(out_dev);
+    sum_exp = k == 0 ? transfer(sk, out_dev) : sum_exp + transfer(sk, out_dev);
+    target_logit = k == 0 ? transfer(tk, out_dev) : target_logit + transfer(tk, out_dev);
   }
   auto per_row = (torch::log(sum_exp) + global_max - target_logit) * valid.to(sum_exp.scalar_type());
   return per_row.sum() / valid.sum().to(per_row.scalar_type());
@@ -372,7 +386,7 @@ torch::Tensor ManualSplit::run_blocks(torch::Tensor x, const torch::Tensor& targ
   auto& m = model();
   const auto n = m.num_blocks();
   for (int64_t b = 0; b < n; ++b) {
-    if (b > 0) x = move(x, stage_of_[b - 1], stage_of_[b], loss != nullptr);
+    x = transfer(x, devices_[stage_of_[b]]);
     const bool replicated = !replicas_of_block(b).empty();
     if (b == n - 1 && sharded()) {
       auto* head = dynamic_cast<models::LinearHead*>(m.blocks()[b].get());
@@ -427,8 +441,7 @@ void ManualSplit::optimizer_step() {
     for (auto& r : replicas_) {
       const auto& g = r.value.grad();
       if (!g.defined()) continue;
-      bytes_interconnect_ += g.nbytes();
-      accumulate(params[r.param].tensor.mutable_grad(), g.to(devices_[home_stage_[r.param]]));
+      accumulate(params[r.param].tensor.mutable_grad(), transfer(g, devices_[home_stage_[r.param]]));
     }
   }
   for (size_t p = 0; p < params.size(); ++p) {
@@ -442,7 +455,7 @@ void ManualSplit::optimizer_step() {
   for (auto& r : replicas_) {
     if (options_.sync_replicas) {
       r.value.copy_(params[r.param].tensor.detach());
-      bytes_interconnect_ += r.value.nbytes();
+      if (r.value.device() != params[r.param].tensor.device()) count_interconnect(r.value.nbytes());
     }
     r.value.mutable_grad() = torch::Tensor();
   }

@@ -78,12 +78,15 @@ class ManualSplit : public Strategy {
     std::vector<torch::Tensor> saved_;
   };
   std::vector<KeptGraph>& kept_graphs() { return kept_; }
+  void count_interconnect(int64_t bytes) { bytes_interconnect_ += bytes; }
 
  protected:
   void attach_model(models::BlockModel model) override;
 
  private:
-  torch::Tensor move(const torch::Tensor& x, int64_t from_stage, int64_t to_stage, bool counts_backward);
+  /// x on `to`; bytes count as interconnect traffic only between different devices, when they move
+  /// (an activation in forward, its gradient in backward).
+  torch::Tensor transfer(const torch::Tensor& x, const torch::Device& to);
   torch::Tensor run_blocks(torch::Tensor x, const torch::Tensor& target, torch::Tensor* loss);
   torch::Tensor sharded_logits(const torch::Tensor& features);
   torch::Tensor sharded_loss(const torch::Tensor& features, const torch::Tensor& target);
