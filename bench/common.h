@@ -18,7 +18,8 @@ inline const models::ModelConfig& parity_model_for(const models::ModelConfig& co
   switch (config.kind) {
     case models::ModelKind::gpt: return models::preset("gpt-tiny").config;
     case models::ModelKind::bert: return models::preset("bert-tiny").config;
-    case models::ModelKind::mlp: break;
+    case models::ModelKind::mlp:
+    case models::ModelKind::custom: break;
   }
   return models::preset("mlp-tiny").config;
 }
@@ -63,6 +64,39 @@ inline Peaks peaks_of(const Stats& stats) {
 /// allocate memory") word it: a result to record, not a failure of the run.
 inline bool is_oom(const std::string& what) {
   return what.find("out of memory") != std::string::npos || what.find("can't allocate memory") != std::string::npos;
+}
+
+/// How a cell ended. A cell that did not run to the end records its outcome as the first words of
+/// its error message ("parity failed: ...", "out of memory: ...", "error: ..."), where a reader of
+/// the JSON finds it: Google Benchmark drops the counters of an errored run. Out of memory is a
+/// result; the other two fail the run (exit status 1).
+enum class Outcome { ok, out_of_memory, parity_failed, error };
+inline const char* prefix_of(Outcome o) {
+  switch (o) {
+    case Outcome::out_of_memory: return "out of memory: ";
+    case Outcome::parity_failed: return "parity failed: ";
+    case Outcome::error: return "error: ";
+    case Outcome::ok: break;
+  }
+  return "";
+}
+inline bool fails_the_run(Outcome o) { return o == Outcome::parity_failed || o == Outcome::error; }
+
+/// Dense matrix throughput of one GPU by its vendor's datasheet, in TFLOP/s, for the precision the
+/// timed runs use (TF32 tensor cores when `tf32`, else plain fp32); 0 where strata has no figure
+/// (then MFU is not reported). Figures without sparsity.
+inline double datasheet_tflops(const std::string& gpu, bool tf32) {
+  struct Sheet {
+    const char* name;  ///< a substring of the driver's device name
+    double tf32, fp32;
+  };
+  // NVIDIA H100 / H200 SXM datasheets: TF32 989 TFLOP/s with sparsity (494.7 dense), FP32 66.9.
+  // H100 PCIe: 378 / 51.2. A100: 156 / 19.5.
+  static const Sheet sheets[] = {
+      {"H200", 494.7, 66.9}, {"H100 PCIe", 378.0, 51.2}, {"H100", 494.7, 66.9}, {"A100", 156.0, 19.5}};
+  for (const auto& s : sheets)
+    if (gpu.find(s.name) != std::string::npos) return tf32 ? s.tf32 : s.fp32;
+  return 0.0;
 }
 
 /// Strategy options as given on a command line: "key=value;strategy:key=value". An unprefixed key

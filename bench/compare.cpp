@@ -6,6 +6,9 @@
 //                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
 //                  [--classes=N] [--options='key=value;strategy:key=value']
 //
+// Exit status: 0 when every strategy passed parity and ran (or ran out of memory, a result); 1 when
+// any failed parity or errored; 2 for bad arguments.
+//
 // Training: median over the timed steps of forward+backward (train_step) and of the optimizer
 // step, each timed to the completion of every device. --inference times forward() only and reports the
 // host-to-device bandwidth it achieved (bytes moved / time).
@@ -114,13 +117,20 @@ int run(int argc, char** argv) {
     std::printf("\n");
   };
 
+  int failed = 0;  // rows whose parity failed or whose timing errored: the exit status
   for (const auto& name : args.strategies) {
     // Parity first, on a small model: a strategy that is wrong is not timed.
     config.options = bench::options_for(args.options, name);
     const std::string label = bench::label_with_options(name, config.options);
-    const auto parity = bench::check_before_timing(name, preset.config, config.options, dev);
+    correctness::ParityResult parity;
+    try {
+      parity = bench::check_before_timing(name, preset.config, config.options, dev);
+    } catch (const std::exception& e) {
+      parity = {false, std::string("the check could not run: ") + e.what()};
+    }
     if (!parity.ok) {
       std::printf("%-22s %-6s %s\n", label.c_str(), "FAIL", parity.message.c_str());
+      ++failed;
       continue;
     }
     std::fflush(stdout);
@@ -156,6 +166,7 @@ int run(int argc, char** argv) {
         for (int i = 0; i < args.steps; ++i) {
           const auto start = now();
           strategy->train_step(batch);
+          strategy->finish_backward();
           device::synchronize_all();
           fb.push_back(ms_since(start));
           const auto mid = now();
@@ -173,13 +184,17 @@ int run(int argc, char** argv) {
         print_per_device(s);
       }
     } catch (const std::exception& e) {
+      // Parity held; the timed run did not. Out of memory is a result; anything else an error.
       const std::string what = e.what();
       const bool oom = bench::is_oom(what);
-      std::printf("%-22s %-6s %s\n", label.c_str(), "ok", oom ? "out of memory" : what.substr(0, 300).c_str());
+      std::printf("%-22s %-6s %s%s\n", label.c_str(), "ok", oom ? "out of memory: " : "ERROR: ",
+                  what.substr(0, 300).c_str());
+      if (!oom) ++failed;
     }
     std::fflush(stdout);
   }
-  return 0;
+  if (failed > 0) std::printf("%d of %zu strategies failed parity or errored\n", failed, args.strategies.size());
+  return failed > 0 ? 1 : 0;
 }
 
 }  // namespace

@@ -4,8 +4,11 @@ as strata_bench (Google Benchmark's), so the report can show strata's figures as
 
 Peers: the all-GPU baseline (plain and with per-block checkpointing), FSDP2 with CPUOffloadPolicy
 at world size 1, and seed 003's offload.py (given by path, never copied; it needs per-block
-checkpointing). For the offloading peers it also counts the offloaded blocks' parameters still on
-the GPU after a step.
+checkpointing). Before it is timed, each peer's loss and gradients on gpt-tiny are checked against
+one process running the plain model on the same weights (parity_ok, parity_rel_diff); a peer that
+fails is not timed. For the offloading peers it also counts the offloaded blocks' parameters still
+on the GPU after a step. Exit status 1 when a peer errored or failed parity (out of memory is a
+result).
 
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
 """
@@ -131,7 +134,6 @@ def entry(name, c, fb, op, extra=None):
         "items_per_second": items / (step / 1e3),
         "peak_allocated_bytes": float(torch.cuda.max_memory_allocated()),
         "peak_reserved_bytes": float(torch.cuda.max_memory_reserved()),
-        "parity_ok": 1,
         "oom": 0,
     }
     out.update(extra or {})
@@ -139,9 +141,14 @@ def entry(name, c, fb, op, extra=None):
 
 
 def failed(name, message):
+    """An errored row, its outcome first in the message as strata_bench writes it."""
     oom = "out of memory" in message.lower()
+    if oom:
+        message = "out of memory: " + message
+    elif not message.startswith("parity failed"):
+        message = "error: " + message
     return {"name": name, "run_name": name, "run_type": "iteration", "error_occurred": True,
-            "error_message": "out of memory" if oom else message[:300], "oom": int(oom), "time_unit": "ms"}
+            "error_message": message[:300], "oom": int(oom), "time_unit": "ms"}
 
 
 def batch(c, device):
@@ -160,32 +167,29 @@ def on_device_count(modules):
     return n
 
 
-def run_peer(kind, c, steps, offload_py, model_name):
+def init_distributed():
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+
+
+def build_peer(kind, c, dev, offload_py):
+    """The peer's model (initialised from torch.manual_seed(0), like the reference), its optimizer,
+    the context its backward needs, and the modules whose parameters it offloads."""
     torch.manual_seed(0)
-    dev = torch.device("cuda:0")
-    idx, target = batch(c, dev)
-    name = f"{kind}/{model_name}"
-    torch.cuda.empty_cache()
     if kind in ("torch_baseline", "torch_checkpoint"):
         model = GPT(c, checkpoint=kind == "torch_checkpoint").to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fb, op = timed_steps(model, opt, idx, target, steps)
-        return entry(name, c, fb, op)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, None
     if kind == "fsdp2_cpu_offload":
-        import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-            dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        init_distributed()
         model = GPT(c, checkpoint=True)
         for b in model.blocks:
             fully_shard(b, offload_policy=CPUOffloadPolicy())
         fully_shard(model, offload_policy=CPUOffloadPolicy())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fb, op = timed_steps(model, opt, idx, target, steps)
-        return entry(name, c, fb, op, {"offloaded_params_on_device": on_device_count(model.blocks),
-                                       "offloaded_params": sum(p.numel() for p in model.blocks.parameters())})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, list(model.blocks)
     if kind == "seed_offload":
         spec = importlib.util.spec_from_file_location("seed_offload", offload_py)
         offload = importlib.util.module_from_spec(spec)
@@ -196,11 +200,68 @@ def run_peer(kind, c, steps, offload_py, model_name):
         blocks = list(model.blocks)
         offload.offload(*blocks[:-1])
         offload.offload(blocks[-1], merge_forward_backward=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-        fb, op = timed_steps(model, opt, idx, target, steps, backward_ctx=offload.backward)
-        return entry(name, c, fb, op, {"offloaded_params_on_device": on_device_count(blocks),
-                                       "offloaded_params": sum(p.numel() for b in blocks for p in b.parameters())})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), offload.backward, blocks
     raise ValueError(f"unknown peer {kind}")
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu()
+
+
+def check_parity(kind, offload_py):
+    """Loss and every gradient of the peer on gpt-tiny against one process running the plain model
+    on the same weights and batch, in full fp32. Returns (ok, largest relative difference).
+    torch_baseline is that reference itself: nothing to check."""
+    if kind == "torch_baseline":
+        return None, None
+    c, dev = PRESETS["gpt-tiny"], torch.device("cuda:0")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        idx, target = batch(c, dev)
+        results = []
+        for k in ("torch_baseline", kind):
+            model, _, ctx, _ = build_peer(k, c, dev, offload_py)
+            loss = F.cross_entropy(model(idx).reshape(-1, c["vocab"]), target.reshape(-1))
+            if ctx:
+                with ctx():
+                    loss.backward()
+            else:
+                loss.backward()
+            torch.cuda.synchronize()
+            grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss.item(), grads))
+        (ref_loss, ref), (loss, got) = results
+        if set(ref) != set(got):
+            return False, float("inf")
+        # fp32 in another order (checkpointing, offloaded copies): a few ulp; a bug is far larger.
+        worst = abs(loss - ref_loss) / abs(ref_loss)
+        for n in ref:
+            scale = ref[n].abs().max().item() or 1.0
+            worst = max(worst, (got[n] - ref[n]).abs().max().item() / scale)
+        return worst < 1e-4, worst
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def run_peer(kind, c, steps, offload_py, model_name):
+    dev = torch.device("cuda:0")
+    idx, target = batch(c, dev)
+    name = f"{kind}/{model_name}"
+    torch.cuda.empty_cache()
+    parity, worst = check_parity(kind, offload_py)
+    if parity is False:
+        return failed(name, f"parity failed: largest relative difference {worst:.3g} on gpt-tiny")
+    torch.cuda.empty_cache()
+    model, opt, ctx, offloaded = build_peer(kind, c, dev, offload_py)
+    fb, op = timed_steps(model, opt, idx, target, steps, backward_ctx=ctx)
+    extra = {"parity_ok": 1 if parity else None, "parity_rel_diff": worst}
+    if kind == "torch_baseline":
+        extra["parity_ok"] = 1  # the reference the others are checked against
+    if offloaded is not None:
+        extra.update(offloaded_params_on_device=on_device_count(offloaded),
+                     offloaded_params=sum(p.numel() for m in offloaded for p in m.parameters()))
+    return entry(name, c, fb, op, {k: v for k, v in extra.items() if v is not None})
 
 
 def main():
@@ -236,7 +297,13 @@ def main():
                "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(args.out, "w") as f:
         json.dump({"context": context, "benchmarks": results}, f, indent=1)
+    # Out of memory is a result; a peer that errored or failed parity fails the run.
+    bad = [r["name"] for r in results if r.get("error_occurred") and not r["error_message"].startswith("out of memory")]
+    if bad:
+        print("peers.py: failed: " + ", ".join(bad), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

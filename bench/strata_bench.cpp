@@ -2,6 +2,9 @@
 // each of which checks parity on a small batch first and refuses to time a strategy that fails it.
 // Formulas of every counter: bench/METRICS.md.
 //
+// Exit status: 0 when every cell ran or ran out of memory (a result, recorded as such); 1 when any
+// cell failed its parity check or errored; 2 for bad arguments.
+//
 //   strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N]
 //                [--peak-tflops=X] [--optimizer=adamw|sgd] [--classes=N] [--batch=N]
 //                [--options='key=value;strategy:key=value'] [Google Benchmark flags, e.g.
@@ -15,6 +18,8 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <fstream>
+#include <thread>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -32,6 +37,7 @@ namespace {
 
 struct Settings {
   torch::Device device{torch::kCPU};
+  double datasheet_tflops = 0;  ///< one GPU's, by its datasheet; 0 where unknown (no MFU then)
   std::vector<std::string> models;
   std::vector<std::string> strategies;
   int steps = 5;
@@ -40,6 +46,7 @@ struct Settings {
   int64_t classes = 0;                         ///< overrides the presets' class count (bert, mlp)
   int64_t batch = 0;                           ///< overrides the presets' batch size
   std::map<std::string, std::string> options;  ///< as given: key=value or strategy:key=value
+  int repetitions = 1;                         ///< Google Benchmark's --benchmark_repetitions
 };
 
 // True when the options place the strategy on more than one distinct device.
@@ -71,7 +78,37 @@ class PhaseTimer {
   bool all_;
 };
 
-// Dense fp32 matmul rate (TF32 where enabled) on the device: the denominator of MFU.
+// Every cell's outcome, for the exit status: a parity failure or an error fails the run.
+std::vector<Outcome> g_outcomes;
+
+void end_cell(benchmark::State& state, Outcome outcome, const std::string& message) {
+  g_outcomes.push_back(outcome);
+  if (outcome == Outcome::ok) return;
+  state.SkipWithError((prefix_of(outcome) + message.substr(0, 400)).c_str());
+}
+
+// The host's CPU class for the gate: model name and logical cores ("Intel(R) Xeon(R) ... x16").
+std::string host_cpu() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown";
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      model = line.substr(line.find(':') + 2);
+      break;
+    }
+  return model + " x" + std::to_string(std::thread::hardware_concurrency());
+}
+
+// Distinct GPUs a cell's options put the strategy on (at least one: its main device).
+int64_t gpus_used(const std::map<std::string, std::string>& options) {
+  const auto it = options.find("devices");
+  if (it == options.end()) return 1;
+  const auto list = split(it->second);
+  return std::max<int64_t>(1, static_cast<int64_t>(std::set<std::string>(list.begin(), list.end()).size()));
+}
+
+// Dense fp32 matmul rate (TF32 where enabled) on the device, measured: the denominator of
+// matmul_fraction (MFU's is the datasheet's).
 double measure_peak_tflops(const torch::Device& device) {
   const int64_t n = device.is_cuda() ? 8192 : 1024;
   auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
@@ -110,46 +147,88 @@ struct Cell {
   int index = 0, total = 0;
 };
 
+// What a cell keeps from its first repetition to its last: the parity verdict, and the strategy
+// built, attached and warmed up once (building an 871M-parameter model per repetition would cost
+// more device time than the repetitions measure). Released after the last repetition.
+struct Live {
+  correctness::ParityResult parity;
+  std::unique_ptr<Strategy> strategy;
+  models::Batch batch;
+  double items = 0, flops_per_step = 0;
+  int repetitions_done = 0;
+  Outcome setup = Outcome::ok;  ///< how building and warming up ended
+  std::string setup_error;
+};
+std::map<std::string, Live> g_live;
+
 void run_cell(benchmark::State& state, const Settings& settings, const Cell& cell) {
   const auto& strategy_name = cell.strategy;
   const auto& options = cell.options;
   const auto& preset = cell.preset;
+  const auto key = cell.label + "/" + preset.name;
+  auto& live = g_live[key];
+  const bool first = live.repetitions_done++ == 0;
+  struct Release {  // after the last repetition, whatever happens
+    bool last;
+    std::string key;
+    ~Release() {
+      if (last) g_live.erase(key);
+    }
+  } release{live.repetitions_done >= settings.repetitions, key};
   auto log = [&](const std::string& what) {
-    std::fprintf(stderr, "[%d/%d] %s on %s: %s\n", cell.index, cell.total, cell.label.c_str(), preset.name.c_str(),
-                 what.c_str());
+    std::fprintf(stderr, "[%d/%d] %s on %s (repetition %d of %d): %s\n", cell.index, cell.total, cell.label.c_str(),
+                 preset.name.c_str(), live.repetitions_done, settings.repetitions, what.c_str());
   };
-  log("parity check");
-  correctness::ParityResult parity;
-  try {
-    parity = check_before_timing(strategy_name, preset.config, options, settings.device);
-  } catch (const std::exception& e) {  // a check that cannot run is this cell's result; the matrix goes on
-    parity.ok = false;
-    parity.message = std::string("the check could not run: ") + e.what();
+  const auto& dev = settings.device;
+  if (first) {
+    log("parity check");
+    try {
+      live.parity = check_before_timing(strategy_name, preset.config, options, dev);
+    } catch (const std::exception& e) {  // a check that cannot run is this cell's result; the matrix goes on
+      live.parity = {false, std::string("the check could not run: ") + e.what()};
+    }
+    if (live.parity.ok) {
+      try {
+        device::release_cached_memory(dev);  // what the previous cell cached is not this one's
+        StrategyConfig config;
+        config.device = dev;
+        config.optimizer.kind = settings.optimizer;
+        config.optimizer.lr = 1e-4;
+        config.options = options;
+        live.strategy = Registry::create(strategy_name, config);
+        auto model = models::build_model(preset.config, 0);
+        live.items = static_cast<double>(model.items_per_batch(preset.batch_size));
+        live.flops_per_step = 3.0 * model.forward_flops_per_item() * live.items;  // forward + backward
+        live.strategy->attach(std::move(model));
+        live.batch = models::make_batch(preset.config, preset.batch_size, 1);
+        log("warm-up");
+        warm_up(*live.strategy, live.batch);
+      } catch (const std::exception& e) {
+        live.strategy.reset();
+        live.setup_error = e.what();
+        live.setup = is_oom(live.setup_error) ? Outcome::out_of_memory : Outcome::error;
+      }
+    }
   }
-  if (!parity.ok) {
-    state.SkipWithError(("parity failed, not timed: " + parity.message).c_str());
-    state.counters["parity_ok"] = 0;
+  if (!live.parity.ok || live.setup != Outcome::ok) {
+    if (!live.parity.ok)
+      end_cell(state, Outcome::parity_failed, "not timed: " + live.parity.message);
+    else
+      end_cell(state, live.setup, live.setup_error);
+    log(live.parity.ok ? (live.setup == Outcome::out_of_memory ? "out of memory" : "error") : "parity failed");
     for (auto _ : state) {
     }
     return;
   }
   state.counters["parity_ok"] = 1;
-  const auto& dev = settings.device;
+  auto& strategy = live.strategy;
+  const auto& batch = live.batch;
+  const double items = live.items, flops_per_step = live.flops_per_step;
   try {
-    device::release_cached_memory(dev);  // what the previous cell cached is not this one's
-    StrategyConfig config;
-    config.device = dev;
-    config.optimizer.kind = settings.optimizer;
-    config.optimizer.lr = 1e-4;
-    config.options = options;
-    auto strategy = Registry::create(strategy_name, config);
-    auto model = models::build_model(preset.config, 0);
-    const double items = static_cast<double>(model.items_per_batch(preset.batch_size));
-    const double flops_per_step = 3.0 * model.forward_flops_per_item() * items;  // forward + backward
-    strategy->attach(std::move(model));
-    const auto batch = models::make_batch(preset.config, preset.batch_size, 1);
-    log("warm-up");
-    warm_up(*strategy, batch);
+    if (!first) {
+      device::synchronize_all();
+      strategy->reset_stats();
+    }
     double fb_ms = 0, opt_ms = 0;
     int64_t steps = 0;
     const bool all_devices = spans_devices(options);
@@ -157,6 +236,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     for (auto _ : state) {
       fb.start();
       strategy->train_step(batch);
+      strategy->finish_backward();  // gradients still on their way belong to backward's time
       fb.stop();
       opt.start();
       strategy->optimizer_step();
@@ -187,18 +267,27 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["d2h_bytes_per_step"] = static_cast<double>(stats.bytes_d2h) / steps;
     state.counters["interconnect_bytes_per_step"] = static_cast<double>(stats.bytes_interconnect) / steps;
     state.counters["h2d_GBps"] = static_cast<double>(stats.bytes_h2d) / steps / step_s / 1e9;
-    state.counters["mfu"] = flops_per_step / step_s / (settings.peak_tflops * 1e12);
+    // Against the GPUs the cell uses: the datasheet's figure (MFU), and the rate measured at start.
+    const double achieved = flops_per_step / step_s / 1e12, gpus = static_cast<double>(gpus_used(options));
+    if (settings.datasheet_tflops > 0) state.counters["mfu"] = achieved / (settings.datasheet_tflops * gpus);
+    state.counters["matmul_fraction"] = achieved / (settings.peak_tflops * gpus);
+    state.counters["gpus"] = gpus;
+    // Gradients that travel to the host are stepped there: the host's memory bandwidth sets the
+    // optimizer's time (the gate then compares device time only across hosts of another class).
+    state.counters["optimizer_on_host"] = stats.bytes_d2h > 0 ? 1 : 0;
     state.counters["oom"] = 0;
+    end_cell(state, Outcome::ok, "");
     char line[64];
     std::snprintf(line, sizeof line, "%.1f ms/step", step_s * 1e3);
     log(line);
   } catch (const std::exception& e) {
-    const std::string what = e.what();
-    // Out of memory is a result, not a failure of the run: recorded, and the matrix goes on.
-    const bool oom = is_oom(what);
-    state.counters["oom"] = oom ? 1 : 0;
-    state.SkipWithError(oom ? "out of memory" : what.substr(0, 300).c_str());
-    log(oom ? "out of memory" : "error");
+    // Out of memory is a result, not a failure of the run: recorded, and the matrix goes on; the
+    // later repetitions of this cell report the same.
+    live.strategy.reset();
+    live.setup_error = e.what();
+    live.setup = is_oom(live.setup_error) ? Outcome::out_of_memory : Outcome::error;
+    end_cell(state, live.setup, live.setup_error);
+    log(live.setup == Outcome::out_of_memory ? "out of memory" : "error");
   }
 }
 
@@ -208,6 +297,10 @@ int run(int argc, char** argv) {
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--list-strategies") {  // for scripts: the registered names, one per line
+      for (const auto& name : Registry::names()) std::printf("%s\n", name.c_str());
+      return 0;
+    }
     auto value = [&](const std::string& key) -> std::optional<std::string> {
       const auto prefix = "--" + key + "=";
       if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
@@ -222,7 +315,10 @@ int run(int argc, char** argv) {
     else if (auto v = value("classes")) s.classes = std::stoll(*v);
     else if (auto v = value("batch")) s.batch = std::stoll(*v);
     else if (auto v = value("options")) s.options = parse_options_arg(*v);
-    else rest.push_back(argv[i]);
+    else {
+      if (auto v = value("benchmark_repetitions")) s.repetitions = std::max(1, std::stoi(*v));
+      rest.push_back(argv[i]);
+    }
   }
   STRATA_CHECK(s.steps >= 1, "--steps=" << s.steps << " must be at least 1");
   if (s.models.empty())
@@ -234,11 +330,16 @@ int run(int argc, char** argv) {
   at::globalContext().setAllowTF32CuBLAS(true);
   at::globalContext().setAllowTF32CuDNN(true);
   if (s.peak_tflops <= 0) s.peak_tflops = measure_peak_tflops(s.device);
+  const auto device_name = device::name(s.device);
+  s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true);
   const double link = measure_h2d_gbps(s.device);
-  std::fprintf(stderr, "device %s: peak %.1f TFLOP/s (matmul, measured or given), H2D %.1f GB/s pinned\n",
-               s.device.str().c_str(), s.peak_tflops, link);
+  std::fprintf(stderr, "device %s (%s): matmul %.1f TFLOP/s measured or given, %.1f by datasheet; H2D %.1f GB/s pinned\n",
+               s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link);
   benchmark::AddCustomContext("strata_device", s.device.str());
+  benchmark::AddCustomContext("device_name", device_name);
+  benchmark::AddCustomContext("host_cpu", host_cpu());
   benchmark::AddCustomContext("peak_tflops", std::to_string(s.peak_tflops));
+  benchmark::AddCustomContext("datasheet_tflops", std::to_string(s.datasheet_tflops));
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
 
@@ -274,7 +375,12 @@ int run(int argc, char** argv) {
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  return 0;
+  const auto failed = std::count_if(g_outcomes.begin(), g_outcomes.end(), fails_the_run);
+  const auto oom = std::count(g_outcomes.begin(), g_outcomes.end(), Outcome::out_of_memory);
+  std::fprintf(stderr, "strata_bench: %zu cell runs: %zu ran, %ld out of memory (recorded), %ld failed parity or errored\n",
+               g_outcomes.size(), static_cast<size_t>(std::count(g_outcomes.begin(), g_outcomes.end(), Outcome::ok)),
+               static_cast<long>(oom), static_cast<long>(failed));
+  return failed > 0 ? 1 : 0;
 }
 
 }  // namespace

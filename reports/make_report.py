@@ -23,15 +23,23 @@ GIB = 1024 ** 3
 
 
 def load(path, source):
+    """One row per cell: the median over repetitions where the run repeated (Google Benchmark's
+    median aggregate), the single run otherwise; a cell with any errored repetition is failed."""
     with open(path) as f:
         doc = json.load(f)
-    rows = []
+    cells = {}
     for b in doc.get("benchmarks", []):
-        name = re.sub(r"/iterations:\d+|/manual_time|/real_time", "", b["name"])
+        name = re.sub(r"/iterations:\d+|/manual_time|/real_time|/repeats:\d+|_(mean|median|stddev|cv)$", "", b["name"])
+        cells.setdefault(name, []).append(b)
+    rows = []
+    for name, group in cells.items():
+        failed = [b for b in group if b.get("error_occurred")]
+        medians = [b for b in group if b.get("aggregate_name") == "median"]
+        runs = [b for b in group if b.get("run_type", "iteration") == "iteration"]
+        r = dict(failed[0] if failed else medians[0] if medians else runs[0])
         strategy, _, model = name.partition("/")
-        r = dict(b)
-        r.update(strategy=strategy, model=model, source=source, key=name)
-        r["failed"] = bool(b.get("error_occurred"))
+        r.update(strategy=strategy, model=model, source=source, key=name, failed=bool(failed),
+                 repetitions=len(runs))
         rows.append(r)
     return doc.get("context", {}), rows
 
@@ -41,12 +49,15 @@ def fmt(x, spec=".1f"):
 
 
 def status(r):
+    """The cell's outcome; strata_bench writes it as the first words of the error message."""
     if not r["failed"]:
-        return "ok"
+        if r["source"] == "peer" and r.get("parity_ok") is None:
+            return "ok (parity unchecked)"
+        return "ok" if r.get("parity_ok", 1) == 1 else "parity FAIL"
     msg = r.get("error_message", "error")
-    if "out of memory" in msg:
+    if msg.startswith("out of memory"):
         return "OOM"
-    return "parity FAIL" if "parity" in msg else "error"
+    return "parity FAIL" if msg.startswith("parity failed") else "error"
 
 
 def panels(n):
@@ -84,6 +95,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--machine", default="")
     ap.add_argument("--command", default="")
+    ap.add_argument("--note", default="", help="shown in bold under the header (e.g. that the run was not gated)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     context, rows = load(args.strata, "strata")
@@ -99,16 +111,23 @@ def main():
     out.append(f"# strata report: {args.machine or context.get('strata_device', '')}\n")
     if args.command:
         out.append(f"Produced by:\n\n```sh\n{args.command}\n```\n")
-    out.append(f"Device {context.get('strata_device', '?')}, LibTorch {context.get('torch_version', '?')}, "
-               f"measured dense matmul peak {peak:.3g} TFLOP/s, pinned host-to-device link {link:.1f} GB/s, "
-               f"{context.get('date', '')}. Counters and formulas: bench/METRICS.md. Peers: PyTorch "
-               f"{peer_context.get('torch_version', '—')} on the same model and batch.\n")
+    sheet = float(context.get("datasheet_tflops", 0) or 0)
+    out.append(f"Device {context.get('strata_device', '?')} ({context.get('device_name', '?')}), host CPU "
+               f"{context.get('host_cpu', '?')}, LibTorch {context.get('torch_version', '?')}; matmul peak "
+               f"{sheet:.4g} TFLOP/s per GPU by datasheet (MFU's denominator, times the GPUs a cell uses) and "
+               f"{peak:.3g} measured (the 'of measured matmul' column's); pinned host-to-device link {link:.1f} "
+               f"GB/s; {context.get('date', '')}. Counters and formulas: bench/METRICS.md. Peers: PyTorch "
+               f"{peer_context.get('torch_version', '—')} on the same model and batch. Figures are medians over "
+               f"{max((r['repetitions'] for r in rows if r['source'] == 'strata'), default=1)} repetitions where "
+               f"the run repeated.\n")
+    if args.note:
+        out.append(f"**{args.note}**\n")
     for model in models:
         rs = [r for r in rows if r["model"] == model]
         base = {r["strategy"]: r for r in rs if r["source"] == "peer" and not r["failed"]}
         out.append(f"\n## {model}\n")
         head = ("| strategy | | step ms | fwd+bwd ms | optim ms | items/s | peak alloc GiB | peak reserved GiB | "
-                "H2D GB/step | D2H GB/step | H2D GB/s | MFU |")
+                "H2D GB/step | D2H GB/step | H2D GB/s | MFU | of measured matmul |")
         peers_cols = [p for p in ("torch_baseline", "torch_checkpoint", "fsdp2_cpu_offload") if p in base]
         for p in peers_cols:
             head += f" step / {p} | peak / {p} |"
@@ -118,11 +137,11 @@ def main():
             if r["failed"]:
                 out.append(f"| {r['strategy']} ({r['source']}) | {status(r)} |" + " |" * (head.count("|") - 3))
                 continue
-            line = (f"| {r['strategy']}{'' if r['source'] == 'strata' else ' (peer)'} | ok | {fmt(r.get('real_time'))} | "
+            line = (f"| {r['strategy']}{'' if r['source'] == 'strata' else ' (peer)'} | {status(r)} | {fmt(r.get('real_time'))} | "
                     f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('optimizer_ms'))} | {fmt(r.get('items_per_second'), '.0f')} | "
                     f"{fmt(r.get('peak_allocated_bytes', 0) / GIB, '.2f')} | {fmt(r.get('peak_reserved_bytes', 0) / GIB, '.2f')} | "
                     f"{fmt((r.get('h2d_bytes_per_step') or 0) / 1e9, '.2f')} | {fmt((r.get('d2h_bytes_per_step') or 0) / 1e9, '.2f')} | "
-                    f"{fmt(r.get('h2d_GBps'))} | {fmt(r.get('mfu'), '.2f')} |")
+                    f"{fmt(r.get('h2d_GBps'))} | {fmt(r.get('mfu'), '.2f')} | {fmt(r.get('matmul_fraction'), '.2f')} |")
             for p in peers_cols:
                 line += (f" {r['real_time'] / base[p]['real_time']:.2f} | "
                          f"{r['peak_allocated_bytes'] / max(base[p]['peak_allocated_bytes'], 1):.2f} |")

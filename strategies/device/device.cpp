@@ -37,6 +37,8 @@ void check_available(const torch::Device& device) {
                                               << " CUDA device(s), cuda:0 to cuda:" << n - 1);
 }
 
+std::string name(const torch::Device& device) { return device.is_cuda() ? detail::cuda_name(device) : "cpu"; }
+
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) detail::cuda_synchronize(device);
 }
@@ -321,6 +323,7 @@ void cuda_release_cached_memory(const torch::Device&) {}
 std::shared_ptr<void> cuda_timing_event(const torch::Device& d) { return cuda_compute_stream(d); }
 double cuda_elapsed_ms(const std::shared_ptr<void>&, const std::shared_ptr<void>&) { return 0.0; }
 void cuda_synchronize(const torch::Device&) {}
+std::string cuda_name(const torch::Device&) { return "cuda"; }
 }  // namespace detail
 #endif
 

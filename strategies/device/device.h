@@ -15,6 +15,9 @@ namespace strata::device {
 bool cuda_available();
 int64_t cuda_device_count();
 
+/// The device's model name as its driver reports it ("NVIDIA H200"); "cpu" for the CPU.
+std::string name(const torch::Device& device);
+
 /// "cpu", "cuda" or "cuda:N"; an Error names the value if it is malformed or the device is absent.
 torch::Device parse(const std::string& text);
 /// Throws an Error naming `device` if it does not exist on this machine.
@@ -184,6 +187,7 @@ AllocatorStats cuda_allocator_stats(const torch::Device& device);
 void cuda_reset_peak_stats(const torch::Device& device);
 void cuda_release_cached_memory(const torch::Device& device);
 void cuda_synchronize(const torch::Device& device);
+std::string cuda_name(const torch::Device& device);
 std::shared_ptr<void> cuda_timing_event(const torch::Device& device);
 double cuda_elapsed_ms(const std::shared_ptr<void>& start, const std::shared_ptr<void>& stop);
 }  // namespace detail

@@ -111,6 +111,10 @@ double cuda_elapsed_ms(const std::shared_ptr<void>& start, const std::shared_ptr
   return a.elapsed_time(b);
 }
 
+std::string cuda_name(const torch::Device& device) {
+  return at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
+}
+
 void cuda_synchronize(const torch::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();

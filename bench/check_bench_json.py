@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Checks a strata_bench JSON file: exactly one cell per strategy x model asked for, each of which
+passed its parity check (counter parity_ok = 1), ran without error and measured a throughput.
+Exit 1, naming every cell that does not, otherwise 0.
+
+  python3 bench/check_bench_json.py bench.json --strategies=a,b,c --models=gpt-tiny
+"""
+import argparse
+import json
+import re
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json")
+    ap.add_argument("--strategies", required=True, help="comma-separated (strata_bench --list-strategies)")
+    ap.add_argument("--models", required=True)
+    args = ap.parse_args()
+    with open(args.json) as f:
+        rows = json.load(f)["benchmarks"]
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault(re.sub(r"/iterations:\d+|/manual_time", "", r["name"]), []).append(r)
+    problems = []
+    expected = {f"{s}/{m}" for s in args.strategies.split(",") if s for m in args.models.split(",") if m}
+    for cell in sorted(expected):
+        found = by_cell.get(cell, [])
+        if len(found) != 1:
+            problems.append(f"{cell}: {len(found)} rows, expected 1")
+            continue
+        r = found[0]
+        if r.get("error_occurred"):
+            problems.append(f"{cell}: {r.get('error_message', 'error')}")
+        elif r.get("parity_ok") != 1:
+            problems.append(f"{cell}: parity_ok is {r.get('parity_ok')}, expected 1")
+        elif not r.get("items_per_second", 0) > 0:
+            problems.append(f"{cell}: no throughput measured")
+    for cell in sorted(set(by_cell) - expected):
+        problems.append(f"{cell}: not asked for")
+    for p in problems:
+        print("check_bench_json: " + p)
+    print(f"check_bench_json: {len(expected)} cells expected, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

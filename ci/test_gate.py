@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Self-test of ci/gate.py on synthetic runs: every branch of the gate must pass or fail as it
+should (throughput within and beyond its spread-derived threshold, memory growth on any device, a
+missing cell, a newly errored or parity-failed or out-of-memory cell, an unusable baseline, host-bound
+cells on hosts of different CPU classes, new cells). Runs in CI (ctest: cpu.gate_self_test).
+
+  python3 ci/test_gate.py
+"""
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gate  # noqa: E402
+
+
+def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5):
+    """n repetitions of a cell around `ips` items/s, spread evenly over +-spread/2."""
+    rows = []
+    for i in range(n):
+        f = 1.0 + spread * (i / (n - 1) - 0.5) if n > 1 else 1.0
+        r = {"name": f"{name}/iterations:3/manual_time/repeats:{n}", "run_type": "iteration", "repetition_index": i,
+             "items_per_second": ips * f, "fwd_bwd_ms": fwd_bwd_ms / f, "optimizer_on_host": host_bound,
+             "peak_allocated_bytes": 10 * 2**30}
+        r.update(peaks or {})
+        rows.append(r)
+    # The aggregates Google Benchmark appends must be ignored.
+    rows.append({"name": f"{name}/iterations:3/manual_time/repeats:{n}_mean", "run_type": "aggregate",
+                 "aggregate_name": "mean", "items_per_second": 1.0})
+    return rows
+
+
+def errored(name, message):
+    return [{"name": f"{name}/iterations:3/manual_time", "run_type": "iteration", "error_occurred": True,
+             "error_message": message}]
+
+
+def run(current, baseline, host_now="cpu-a", host_base="cpu-a"):
+    with tempfile.TemporaryDirectory() as d:
+        paths = []
+        for rows, host, tag in ((current, host_now, "now"), (baseline, host_base, "base")):
+            p = os.path.join(d, tag + ".json")
+            with open(p, "w") as f:
+                json.dump({"context": {"host_cpu": host}, "benchmarks": rows}, f)
+            paths.append(p)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = gate.main(paths + ["--no-compare"])
+        return status, out.getvalue()
+
+
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+def expect(status, out, want, text=None):
+    assert status == want, f"exit {status}, expected {want}:\n{out}"
+    assert text is None or text in out, f"'{text}' not in:\n{out}"
+
+
+TWO_GPU = {"peak_allocated_bytes.cuda:0": 5 * 2**30, "peak_allocated_bytes.cuda:1": 9 * 2**30}
+
+
+@case
+def passes_on_itself():
+    run_ = reps("a/m", 1000, 0.01) + reps("b/m", 500, 0.02, peaks=TWO_GPU)
+    expect(*run(run_, run_), 0, "gate: PASS")
+
+
+@case
+def fails_a_drop_beyond_a_steady_cells_threshold():
+    expect(*run(reps("a/m", 950, 0.01), reps("a/m", 1000, 0.01)), 1, "throughput 0.950")
+
+
+@case
+def passes_the_same_drop_where_the_repetitions_are_that_noisy():
+    expect(*run(reps("a/m", 960, 0.05), reps("a/m", 1000, 0.05)), 0, "gate: PASS")
+
+
+@case
+def fails_a_large_drop_even_on_a_noisy_cell():
+    expect(*run(reps("a/m", 800, 0.05), reps("a/m", 1000, 0.05)), 1, "allowed drop 10.0%")
+
+
+@case
+def fails_memory_growth_on_any_device():
+    grown = dict(TWO_GPU, **{"peak_allocated_bytes.cuda:1": 10 * 2**30})
+    expect(*run(reps("b/m", 500, peaks=grown), reps("b/m", 500, peaks=TWO_GPU)), 1, "peak_allocated_bytes.cuda:1 1.111")
+
+
+@case
+def fails_a_missing_cell():
+    expect(*run(reps("a/m", 1000), reps("a/m", 1000) + reps("b/m", 500)), 1, "b/m: in the baseline but not in this run")
+
+
+@case
+def fails_a_newly_errored_cell():
+    expect(*run(errored("a/m", "error: CUDA error"), reps("a/m", 1000)), 1, "a/m: error: CUDA error")
+
+
+@case
+def fails_a_cell_that_now_fails_parity():
+    expect(*run(errored("a/m", "parity failed: not timed"), reps("a/m", 1000)), 1, "parity failed")
+
+
+@case
+def fails_a_cell_that_now_runs_out_of_memory():
+    expect(*run(errored("a/m", "out of memory: CUDA"), reps("a/m", 1000)), 1, "out of memory")
+
+
+@case
+def passes_a_cell_out_of_memory_in_both_runs():
+    oom = errored("a/m", "out of memory: CUDA")
+    expect(*run(oom, oom), 0, "gate: PASS")
+
+
+@case
+def fails_on_a_baseline_cell_that_failed():
+    expect(*run(reps("a/m", 1000), errored("a/m", "error: boom")), 1, "re-record the baseline")
+
+
+@case
+def gates_host_bound_cells_on_device_time_when_hosts_differ():
+    base = reps("h/m", 1000, fwd_bwd_ms=100.0, host_bound=1)
+    slower_host = reps("h/m", 700, fwd_bwd_ms=100.0, host_bound=1)
+    expect(*run(slower_host, base, host_now="cpu-b"), 0, "fwd_bwd_ms")
+    slower_device = reps("h/m", 700, fwd_bwd_ms=120.0, host_bound=1)
+    expect(*run(slower_device, base, host_now="cpu-b"), 1, "device time")
+    expect(*run(slower_host, base), 1, "throughput 0.700")  # same host: the whole step counts
+
+
+@case
+def lists_new_cells_without_gating_them():
+    expect(*run(reps("a/m", 1000) + reps("n/m", 1), reps("a/m", 1000)), 0, "n/m: new in this run, not gated")
+
+
+def main():
+    failed = 0
+    for fn in CASES:
+        try:
+            fn()
+            print(f"ok   {fn.__name__}")
+        except AssertionError as e:
+            failed += 1
+            print(f"FAIL {fn.__name__}: {e}")
+    print(f"{len(CASES) - failed} of {len(CASES)} gate cases behave")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
