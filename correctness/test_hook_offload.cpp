@@ -341,7 +341,9 @@ TEST(HookOffload, buffers_live_on_the_device_and_a_recompute_updates_them_once) 
     for (const auto& b : s->model().buffers()) EXPECT_EQ(b.tensor.device(), test::device()) << b.name;
     s->train_step(spec.make_batch(4, 1));
     for (const auto& [name, t] : s->buffers()) {
-      if (name == "2.norm.num_batches_tracked") EXPECT_EQ(t.item<int64_t>(), 1) << activations;
+      if (name == "2.norm.num_batches_tracked") {
+        EXPECT_EQ(t.item<int64_t>(), 1) << activations;
+      }
     }
     s->optimizer_step();
   }

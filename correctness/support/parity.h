@@ -18,7 +18,12 @@
 // how large fp32 rounding is for this very quantity, cancellation included: a gradient that is
 // zero in exact arithmetic (a bias before a BatchNorm) is pure rounding noise in every fp32 run, and
 // so is its bound. The moved ulp gives each B_k its own rounding pattern, so one lucky run cannot
-// make the bound small. A strategy that is off by one ulp in every element passes (its error is at
+// make the bound small. Parameters after optimizer steps get, on top, what the gradients' own
+// allowed errors can move them: lr x gain x (gradient bound) per step, with gain 1 / (1 - momentum)
+// for SGD and 1 / eps for AdamW (whose update g / (|g| + eps) turns a gradient of pure rounding
+// noise into a step of up to lr; found by the explorer on a bias before a BatchNorm, where the
+// baselines' noise happened to be 3000 times smaller than a sharded head's). A strategy that is off
+// by one ulp in every element passes (its error is at
 // most B_0's plus one ulp of the value); one that doubles a gradient fails (its error is the
 // gradient itself, far above rounding). Why these constants: beside each.
 #include <functional>
@@ -99,9 +104,12 @@ ParityResult check_parity(const std::string& strategy, const ParityCase& c, cons
 using Scales = std::vector<double>;
 /// The bound above for one list of named tensors: `actual` (the strategy) against `reference`
 /// (float64), with the fp32 baselines `baselines`. Names, order and shapes must match exactly.
-/// Returns an empty string when every tensor is within its bound, else what differs.
+/// `carried` (per tensor, may be empty) is added to each bound: for parameters, what the gradient
+/// errors allowed at earlier steps may have moved them. `bounds`, when given, receives each
+/// tensor's bound. Returns an empty string when every tensor is within its bound, else what differs.
 std::string compare_to_reference(const std::string& what, const NamedTensors& actual,
                                  const std::vector<NamedTensors>& baselines, const NamedTensors& reference,
-                                 const Scales& scales);
+                                 const Scales& scales, const std::vector<double>& carried = {},
+                                 std::vector<double>* bounds = nullptr);
 
 }  // namespace strata::correctness
