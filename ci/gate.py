@@ -126,7 +126,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("current")
     ap.add_argument("baseline")
-    ap.add_argument("--min-drop", type=float, default=0.03, help="smallest allowed throughput drop (default 3%%)")
+    ap.add_argument("--min-drop", type=float, default=0.06, help="smallest allowed throughput drop (default 6%%)")
     ap.add_argument("--spread-multiple", type=float, default=2.0,
                     help="threshold = this x the larger relative spread of the repetitions (default 2)")
     ap.add_argument("--memory-rise", type=float, default=0.03, help="allowed rise of any device's peak (default 3%%)")

@@ -76,12 +76,17 @@ def passes_on_itself():
 
 @case
 def fails_a_drop_beyond_a_steady_cells_threshold():
-    expect(*run(reps("a/m", 950, 0.01), reps("a/m", 1000, 0.01)), 1, "throughput 0.950")
+    expect(*run(reps("a/m", 920, 0.01), reps("a/m", 1000, 0.01)), 1, "throughput 0.920")
 
 
 @case
-def passes_the_same_drop_where_the_repetitions_are_that_noisy():
-    expect(*run(reps("a/m", 960, 0.05), reps("a/m", 1000, 0.05)), 0, "gate: PASS")
+def passes_a_steady_cells_drop_within_run_to_run_drift():
+    expect(*run(reps("a/m", 950, 0.01), reps("a/m", 1000, 0.01)), 0, "gate: PASS")
+
+
+@case
+def passes_a_larger_drop_where_the_repetitions_are_that_noisy():
+    expect(*run(reps("a/m", 930, 0.05), reps("a/m", 1000, 0.05)), 0, "gate: PASS")
 
 
 @case
