@@ -98,40 +98,13 @@ bool HookOffload::recompute_block(int64_t block) const {
 void HookOffload::attach_model(models::BlockModel model) {
   options_.validate_for(model.num_blocks());
   const auto& params = model.parameters();
-  const auto& uses = model.block_parameters();
-  std::vector<int> users(params.size(), 0);
-  for (const auto& u : uses)
-    for (auto p : u) ++users[p];
-
-  // Units: each block's own parameters, then one unit per shared parameter.
-  std::vector<int64_t> unit_of(params.size(), -1);
-  windows_.assign(uses.size(), {});
-  for (size_t b = 0; b < uses.size(); ++b) {
-    Unit own;
-    for (auto p : uses[b])
-      if (users[p] == 1) own.params.push_back(p);
-    if (!own.params.empty()) {
-      for (auto p : own.params) unit_of[p] = static_cast<int64_t>(units_.size());
-      units_.push_back(std::move(own));
-    }
-    for (auto p : uses[b]) {
-      if (unit_of[p] < 0) {  // shared, first seen here
-        unit_of[p] = static_cast<int64_t>(units_.size());
-        Unit shared;
-        shared.params.push_back(p);
-        units_.push_back(std::move(shared));
-      }
-      auto& w = windows_[b];
-      if (std::find(w.begin(), w.end(), unit_of[p]) == w.end()) w.push_back(unit_of[p]);
-    }
+  auto plan = plan_units(model);
+  windows_ = std::move(plan.windows);
+  units_.resize(plan.units.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    units_[u].params = std::move(plan.units[u]);
+    units_[u].users = plan.users[u];
   }
-  for (const auto& w : windows_)
-    for (auto u : w) ++units_[u].users;
-  // Trainable parameters first in each flat buffer, so gradients and the optimizer cover one
-  // contiguous prefix and frozen ones cost no gradient bytes.
-  for (auto& unit : units_)
-    std::stable_partition(unit.params.begin(), unit.params.end(),
-                          [&](int64_t p) { return params[p].tensor.requires_grad(); });
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
@@ -318,60 +291,6 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   }
 }
 
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// One block under hook offload: fetch, compute, release in forward; fetch, recompute (or use the
-// kept graph), send gradients to the host, release in backward.
-struct OffloadedBlock : torch::autograd::Function<OffloadedBlock> {
-  static torch::Tensor forward(AutogradContext* ctx, HookOffload* self, int64_t block, torch::Tensor x,
-                               torch::Tensor anchor) {
-    ctx->saved_data["self"] = reinterpret_cast<int64_t>(self);
-    ctx->saved_data["block"] = block;
-    auto& module = *self->model().blocks()[block];
-    self->before_compute(block, /*backward=*/false);
-    torch::Tensor out;
-    if (self->recompute_block(block)) {
-      variable_list saved{x};  // and the buffers as they are before this forward, for the recompute
-      for (auto& b : snapshot_buffers(module)) saved.push_back(std::move(b));
-      ctx->save_for_backward(saved);
-      out = module.forward(x);
-    } else {
-      // Keep the block's own graph; its saved views of the parameters share the unit's storage,
-      // so they see the data again once backward re-fetches it.
-      std::tie(out, self->kept_graphs()[block]) = run_keeping_graph(module, x);
-    }
-    self->after_compute(block, /*backward=*/false);
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
-    auto* self = reinterpret_cast<HookOffload*>(ctx->saved_data["self"].toInt());
-    const auto block = ctx->saved_data["block"].toInt();
-    auto& module = *self->model().blocks()[block];
-    self->before_compute(block, /*backward=*/true);
-    KeptGraph graph;
-    std::optional<BuffersAsBefore> as_before;  // through the gradients: the recomputed graph saw these values
-    if (self->recompute_block(block)) {
-      auto saved = ctx->get_saved_variables();
-      as_before.emplace(module, variable_list(saved.begin() + 1, saved.end()));
-      graph = run_keeping_graph(module, saved[0]).second;
-    } else {
-      graph = std::move(self->kept_graphs()[block]);
-      self->kept_graphs()[block] = {};
-    }
-    auto grads = block_gradients(std::move(graph), grad_out);
-    as_before.reset();
-    self->flush_gradients(block, grads.params);
-    self->after_compute(block, /*backward=*/true);
-    return {torch::Tensor(), torch::Tensor(), grads.input, torch::Tensor()};
-  }
-};
-
-}  // namespace
-
 void HookOffload::finish_backward() {
   d2h_.synchronize();
   // Without the overlapped optimizer the host queue holds only backward's work (a tied weight's
@@ -413,7 +332,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     auto x = batch.input.to(config_.device);
     auto target = batch.target.to(config_.device);
     bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
-    for (int64_t b = 0; b < m.num_blocks(); ++b) x = OffloadedBlock::apply(this, b, x, anchor_);
+    for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
     auto loss = m.loss(x, target);
     x = torch::Tensor();
     loss.backward();

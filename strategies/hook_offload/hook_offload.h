@@ -6,8 +6,8 @@
 // as a block's backward is done; the optimizer runs on the host. A tied parameter is one host copy,
 // loaded once per use window by reference count, and receives the sum of its uses' gradients.
 //
-// LibTorch modules have no hooks, so each block runs inside a custom autograd function that owns
-// load, compute, recompute and release.
+// LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
+// strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
 //
 // Frozen parameters (requires_grad=false) travel with their unit but have no host gradient buffer,
 // are never sent back and never updated. Buffers (running statistics, fixed tables) live on the
@@ -16,7 +16,7 @@
 #include <deque>
 #include <optional>
 
-#include "strategies/checkpoint.h"
+#include "strategies/windowed.h"
 #include "strategies/device/device.h"
 #include "strategies/strategy.h"
 
@@ -38,7 +38,7 @@ struct HookOffloadOptions {
   void validate_for(int64_t num_blocks) const;
 };
 
-class HookOffload : public Strategy {
+class HookOffload : public Strategy, public WindowedRunner {
  public:
   HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options);
   ~HookOffload() override;
@@ -60,13 +60,13 @@ class HookOffload : public Strategy {
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
 
-  // Called by the per-block autograd function.
-  void before_compute(int64_t block, bool backward);
-  void after_compute(int64_t block, bool backward);
-  void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads);
-  models::BlockModel& model();
-  bool recompute_block(int64_t block) const;
-  std::vector<KeptGraph>& kept_graphs() { return kept_; }
+  // WindowedRunner: called by the per-block autograd function.
+  void before_compute(int64_t block, bool backward) override;
+  void after_compute(int64_t block, bool backward) override;
+  void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) override;
+  models::BlockModel& model() override;
+  bool recompute_block(int64_t block) const override;
+  std::vector<KeptGraph>& kept_graphs() override { return kept_; }
 
  protected:
   void attach_model(models::BlockModel model) override;
