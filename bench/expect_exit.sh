@@ -1,7 +1,7 @@
 #!/bin/sh
-# Test helper: runs a command and passes only when its exit status is exactly CODE, so a crash or
-# another failure does not pass for the expected one; each --grep PATTERN must also match a line of
-# its output (grep -E).
+# Test helper: runs a command and passes only when its exit status is exactly CODE (or, for CODE
+# 'nonzero', any failure status short of a signal), so a crash or another failure does not pass for
+# the expected one; each --grep PATTERN must also match a line of its output (grep -E).
 #   expect_exit.sh CODE [--grep PATTERN]... command [args...]
 want=$1
 shift
@@ -15,7 +15,12 @@ done
 got=$?
 cat "$out"
 status=0
-if [ "$got" -ne "$want" ]; then
+if [ "$want" = nonzero ]; then
+  if [ "$got" -eq 0 ] || [ "$got" -ge 124 ]; then
+    echo "expect_exit.sh: expected a failure status (1-123), got $got"
+    status=1
+  fi
+elif [ "$got" -ne "$want" ]; then
   echo "expect_exit.sh: expected exit status $want, got $got"
   status=1
 fi

@@ -5,7 +5,20 @@
 
 #include <cmath>
 
+namespace c10d {
+class ProcessGroup;
+class Backend;
+}  // namespace c10d
+
 namespace strata::compat {
+
+/// The class a c10d backend (ProcessGroupGloo, ProcessGroupNCCL) derives from and is held as:
+/// ProcessGroup in LibTorch 1.13, Backend from 2.0 on (ProcessGroup became a wrapper of backends).
+#if TORCH_VERSION_MAJOR >= 2
+using CollectiveBackend = c10d::Backend;
+#else
+using CollectiveBackend = c10d::ProcessGroup;
+#endif
 
 inline constexpr bool kTorch2 = TORCH_VERSION_MAJOR >= 2;
 

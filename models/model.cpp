@@ -145,6 +145,16 @@ torch::Tensor BlockModel::loss(const torch::Tensor& output, const torch::Tensor&
                           F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex));
 }
 
+torch::Tensor BlockModel::loss_sum(const torch::Tensor& output, const torch::Tensor& target) const {
+  namespace F = torch::nn::functional;
+  return F::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}),
+                          F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex).reduction(torch::kSum));
+}
+
+int64_t BlockModel::count_targets(const torch::Tensor& target) {
+  return (target != kIgnoreIndex).sum().item<int64_t>();
+}
+
 bool BlockModel::has_tied_parameters() const {
   std::vector<int> users(parameters_.size(), 0);
   for (const auto& uses : block_parameters_)

@@ -88,6 +88,12 @@ class BlockModel {
   /// Mean cross-entropy of output [..., C] against integer targets [...], over the targets that are
   /// not kIgnoreIndex.
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
+  /// The sum that loss() averages: cross-entropy summed over the targets that are not
+  /// kIgnoreIndex. A strategy that splits a batch divides each slice's sum by the whole batch's
+  /// count_targets(), so the slices add up to the whole batch's mean.
+  torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const;
+  /// Targets that count (are not kIgnoreIndex).
+  static int64_t count_targets(const torch::Tensor& target);
 
   /// Parameters in canonical order, each once (tied parameters identified by TensorImpl).
   const std::vector<NamedParameter>& parameters() const { return parameters_; }

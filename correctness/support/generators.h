@@ -46,12 +46,14 @@ using OptionsGenerator = std::function<rc::Gen<Options>(const ModelShape&, const
 struct StrategyTraits {
   OptionsGenerator options;
   ChainLimits chain;
+  /// Runs one slice of the batch per rank: batches of at least the world size, no BatchNorm.
+  bool data_parallel = false;
 };
 /// Strategy name -> its traits; a strategy with options or limits adds itself here.
 const std::map<std::string, StrategyTraits>& strategy_traits();
 
-/// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (2..5 with
-/// BatchNorm), a seed, ignored targets or not, and the strategy's options. `devices` lists what the
+/// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with
+/// BatchNorm; world size and up for data-parallel strategies), a seed, ignored targets or not, and the strategy's options. `devices` lists what the
 /// machine offers for multi-device strategies.
 rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices);
 

@@ -47,6 +47,7 @@ void release_cached_memory(const torch::Device& device);
 struct Delays {
   std::chrono::microseconds copy{0};
   std::chrono::microseconds compute{0};
+  std::chrono::microseconds collective{0};  ///< before every collective a process group starts
 };
 Delays injected_delays();
 /// Sets the delays for the lifetime of the object, then restores the previous ones.

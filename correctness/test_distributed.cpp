@@ -1,0 +1,192 @@
+// The data-parallel strategies across processes: every test here runs in every rank of a job that
+// strategies/distributed/launch.py (or torchrun) starts, each rank checking the same cases in the
+// same order — the strategy's gathered loss, gradients and parameters against the single-process
+// baseline on the global batch. CTest starts them with 2 and 3 ranks (3: uneven shards, batches the
+// world does not divide) under a timeout. Faults: a rank that throws or dies, and ranks that
+// disagree, end every rank with a message.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+
+#include <cstdlib>
+
+#include "correctness/support/errors.h"
+#include "correctness/support/generators.h"
+#include "correctness/support/test_device.h"
+#include "strategies/distributed/process_group.h"
+#include "strategies/sharded/sharded.h"
+
+namespace strata {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<std::string> kDataParallel = {"sharded", "sharded_offload"};
+
+int world() { return distributed::environment().world_size; }
+int rank() { return distributed::environment().rank; }
+
+std::unique_ptr<Sharded> make_sharded(const std::map<std::string, std::string>& options, bool offload = false) {
+  StrategyConfig c;
+  c.device = test::device();
+  auto all = options;
+  if (offload) all["offload"] = "1";
+  return std::make_unique<Sharded>(offload ? "sharded_offload" : "sharded", c, ShardedOptions::parse(all));
+}
+
+TEST(Distributed, every_rank_draws_the_same_cases) {
+  // The properties below need one seed on every rank: a fixed one, and the same.
+  const char* params = std::getenv("RC_PARAMS");
+  ASSERT_TRUE(params && std::string(params).find("seed=") != std::string::npos)
+      << "multi-process properties need RC_PARAMS with seed=...";
+  distributed::group_for(test::device())->agree("RC_PARAMS", params);
+}
+
+TEST(Distributed, prop_matches_the_baseline_on_the_global_batch) {
+  for (const auto& strategy : kDataParallel) {
+    const bool ok = rc::check(strategy + " over " + std::to_string(world()) + " ranks", [&] {
+      const auto c = *correctness::gen_parity_case(strategy, {test::device().str()});
+      const auto r = correctness::check_parity(strategy, c, test::device());
+      if (!r.ok) RC_FAIL(r.message);
+    });
+    EXPECT_TRUE(ok) << strategy;
+  }
+}
+
+TEST(Distributed, tied_presets_and_own_models_match_the_baseline) {
+  std::vector<correctness::ParityCase> cases;
+  for (const auto* preset : {"gpt-tiny", "mlp-tied-tiny", "bert-tiny"}) {
+    correctness::ParityCase c;
+    c.model = models::preset(preset).config;
+    c.batch_size = world() + 2;  // uneven whenever the world is not 1 or 2... and 3 with 3 ranks
+    cases.push_back(c);
+  }
+  correctness::ParityCase chain;
+  chain.chain = correctness::ChainSpec::parse("chain(in=3 width=5 classes=4 blocks=shared0,frozen,act,shared0,table,frozen_block,conv1)");
+  chain.batch_size = world() + 1;
+  chain.ignore_targets = true;
+  cases.push_back(chain);
+  for (const auto& strategy : kDataParallel)
+    for (auto c : cases)
+      for (const auto* reshard : {"1", "0"}) {
+        c.options = {{"reshard_after_forward", reshard}, {"prefetch", "2"}};
+        const auto r = correctness::check_parity(strategy, c, test::device());
+        EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
+      }
+}
+
+TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count) {
+  // gpt-tiny with prefetch 1: no two windows that share a unit are ever held at once, so with
+  // resharding every unit is gathered once per use in forward and once per use in backward; each
+  // gather receives (W-1)/W of the padded unit. Each unit is reduce-scattered once: (W-1)/W of it
+  // with NCCL, 2 (W-1)/W with Gloo (an all-reduce). The loss's all-reduce adds 2 (W-1)/W x 8 bytes.
+  const auto config = models::preset("gpt-tiny").config;
+  auto model = models::build_model(config, 0);
+  const auto plan = plan_units(model);
+  const double w = world();
+  const bool nccl = distributed::group_for(test::device())->backend() == "nccl";
+  double expected = 2.0 * 8 * (w - 1) / w;
+  int64_t shard_bytes = 0, widest_window = 0;
+  std::vector<int64_t> padded(plan.units.size());
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    int64_t numel = 0;
+    for (auto p : plan.units[u]) numel += model.parameters()[p].tensor.numel();
+    padded[u] = (numel + world() - 1) / world() * world() * 4;
+    shard_bytes += padded[u] / world();
+    expected += 2.0 * plan.users[u] * padded[u] * (w - 1) / w + padded[u] * (nccl ? 1.0 : 2.0) * (w - 1) / w;
+  }
+  for (const auto& window : plan.windows) {
+    int64_t bytes = 0;
+    for (auto u : window) bytes += padded[u];
+    widest_window = std::max(widest_window, bytes);
+  }
+  for (bool offload : {false, true}) {
+    auto s = make_sharded({{"prefetch", "1"}}, offload);
+    s->attach(models::build_model(config, 0));
+    s->reset_stats();
+    s->train_step(models::make_batch(config, world() + 1, 1));
+    const auto stats = s->stats();
+    EXPECT_NEAR(static_cast<double>(stats.bytes_interconnect), expected, 2.0 * plan.units.size() + 2)
+        << "offload=" << offload;
+    // At rest only the shards (on the host with offload: nothing on the device); at the peak at
+    // most the computing block's window and the one prefetched beside them.
+    ASSERT_EQ(stats.devices.size(), 1u);
+    const auto& mem = stats.devices.begin()->second;
+    const int64_t shards_on_device = offload ? 0 : shard_bytes;
+    EXPECT_EQ(s->gathered_bytes(), 0);
+    EXPECT_EQ(mem.resident_param_bytes, shards_on_device) << "offload=" << offload;
+    EXPECT_LE(mem.peak_param_bytes, shards_on_device + 2 * widest_window) << "offload=" << offload;
+    EXPECT_GT(mem.peak_param_bytes, shards_on_device) << "offload=" << offload;
+    s->optimizer_step();
+    EXPECT_EQ(s->stats().devices.begin()->second.resident_param_bytes, shards_on_device);
+  }
+}
+
+TEST(Distributed, parity_holds_with_injected_delays_and_a_missing_wait_is_caught) {
+  using namespace std::chrono_literals;
+  correctness::ParityCase c;
+  c.model = models::preset("gpt-tiny").config;
+  c.batch_size = world() + 1;
+  c.steps = 2;
+  {
+    device::ScopedDelays delays({1ms, 1ms, 3ms});
+    for (const auto& strategy : kDataParallel) {
+      c.options = {{"prefetch", "2"}, {"debug_poison", "1"}};
+      const auto r = correctness::check_parity(strategy, c, test::device());
+      EXPECT_TRUE(r.ok) << strategy << ": " << r.message;
+    }
+  }
+  // The same check must fail when compute does not wait for its gathers (every rank reads
+  // a buffer its gather has not filled yet: NaN), or it proves nothing.
+  device::ScopedDelays delays({0ms, 0ms, 20ms});
+  c.options = {{"prefetch", "0"}, {"debug_poison", "1"}, {"debug_skip_waits", "1"}};
+  c.steps = 1;
+  const auto r = correctness::check_parity("sharded", c, test::device());
+  EXPECT_FALSE(r.ok) << "a missing wait went unnoticed";
+}
+
+TEST(Distributed, ranks_with_different_models_are_refused_on_every_rank) {
+  auto config = models::preset("gpt-tiny").config;
+  if (rank() == world() - 1) config.width = 16;  // the last rank builds another model
+  auto s = make_sharded({});
+  const auto message = test::error_of([&] { s->attach(models::build_model(config, 0)); });
+  if (world() > 1)
+    EXPECT_THAT(message, HasSubstr("sharded attach: rank " + std::to_string(world() - 1) + " has"));
+  else
+    EXPECT_EQ(message, "<no error>");
+}
+
+TEST(Distributed, a_batch_smaller_than_the_world_is_refused_naming_both) {
+  auto s = make_sharded({});
+  const auto config = models::preset("mlp-tiny").config;
+  s->attach(models::build_model(config, 0));
+  if (world() > 1) {
+    EXPECT_THAT(test::error_of([&] { s->train_step(models::make_batch(config, world() - 1, 1)); }),
+                HasSubstr("a global batch of " + std::to_string(world() - 1) + " samples cannot be split over " +
+                          std::to_string(world()) + " ranks"));
+  }
+}
+
+// Run alone, by the fault tests of correctness/CMakeLists.txt: one rank fails mid-step (throws, or
+// dies when STRATA_FAULT=exit); every rank must end non-zero with a message.
+TEST(DistributedFault, a_failing_rank_ends_every_rank) {
+  const char* kind = std::getenv("STRATA_FAULT");
+  const bool die = kind && std::string(kind) == "exit";
+  const auto config = models::preset("gpt-tiny").config;
+  auto s = make_sharded({{"debug_fail_rank", std::to_string(world() - 1)}});
+  s->attach(models::build_model(config, 0));
+  const auto batch = models::make_batch(config, world() + 1, 1);
+  if (die && rank() == world() - 1) {
+    try {
+      s->train_step(batch);
+    } catch (const Error& e) {
+      std::cout << "dying now: " << e.what() << std::endl;
+      std::_Exit(3);
+    }
+  }
+  s->train_step(batch);  // throws on the failing rank, and on the others once their collectives fail
+  ADD_FAILURE() << "rank " << rank() << " finished a step that rank " << world() - 1 << " failed";
+}
+
+}  // namespace
+}  // namespace strata

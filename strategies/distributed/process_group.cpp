@@ -1,0 +1,252 @@
+#include "strategies/distributed/process_group.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "models/check.h"
+#include "models/compat.h"
+#include "strategies/device/device.h"
+#include "strategies/distributed/nccl.h"
+
+namespace strata::distributed {
+namespace {
+
+int int_from_env(const char* name, int fallback, bool required) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) {
+    STRATA_CHECK(!required, "distributed: " << name << " is not set (launch with torchrun or strategies/distributed/"
+                                               "launch.py, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)");
+    return fallback;
+  }
+  size_t used = 0;
+  int out = 0;
+  try {
+    out = std::stoi(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  STRATA_CHECK(used > 0 && v[used] == '\0', "distributed: " << name << "='" << v << "' is not an integer");
+  return out;
+}
+
+std::chrono::milliseconds configured_timeout() {
+  return std::chrono::seconds(int_from_env("STRATA_DIST_TIMEOUT_S", 300, false));
+}
+
+}  // namespace
+
+Environment Environment::from_env() {
+  Environment e;
+  e.launched = std::getenv("RANK") != nullptr;
+  if (!e.launched) return e;
+  e.rank = int_from_env("RANK", 0, true);
+  e.world_size = int_from_env("WORLD_SIZE", 1, true);
+  e.local_rank = int_from_env("LOCAL_RANK", e.rank, false);
+  e.master_port = int_from_env("MASTER_PORT", 29500, true);
+  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE")) e.agent_store = std::string(a) == "True" || std::string(a) == "1";
+  e.restart_count = int_from_env("TORCHELASTIC_RESTART_COUNT", 0, false);
+  STRATA_CHECK(e.world_size >= 1, "distributed: WORLD_SIZE=" << e.world_size << " must be at least 1");
+  STRATA_CHECK(e.rank >= 0 && e.rank < e.world_size,
+               "distributed: RANK=" << e.rank << " is not in 0.." << e.world_size - 1 << " (WORLD_SIZE=" << e.world_size << ")");
+  STRATA_CHECK(e.master_port > 0 && e.master_port < 65536, "distributed: MASTER_PORT=" << e.master_port << " is not a port");
+  return e;
+}
+
+const Environment& environment() {
+  static const Environment env = Environment::from_env();
+  return env;
+}
+
+void Work::wait() {
+  if (!wait_) return;
+  auto w = std::move(wait_);
+  wait_ = nullptr;
+  w();
+}
+
+namespace {
+
+// The process's store, shared by its groups: a TCPStore that rank 0 serves (or torchrun's agent
+// does, then under the prefix of this restart attempt, as torchrun's own rendezvous keys it); a
+// HashStore in a world of one.
+c10::intrusive_ptr<c10d::Store> process_store() {
+  static std::mutex mutex;
+  static c10::intrusive_ptr<c10d::Store> store;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (store) return store;
+  const auto& env = environment();
+  if (!env.launched) {
+    store = c10::make_intrusive<c10d::HashStore>();
+    return store;
+  }
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0 && !env.agent_store;
+  options.numWorkers = env.agent_store ? c10::nullopt : c10::optional<std::size_t>(env.world_size);
+  options.waitWorkers = !env.agent_store;
+  options.timeout = configured_timeout();
+  try {
+    c10::intrusive_ptr<c10d::Store> tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    if (env.agent_store)
+      tcp = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), tcp);
+    store = tcp;
+  } catch (const std::exception& e) {
+    STRATA_FAIL("distributed: rank " << env.rank << " of " << env.world_size << " could not reach the store at "
+                                     << env.master_addr << ":" << env.master_port << " within "
+                                     << configured_timeout().count() / 1000 << " s: " << e.what());
+  }
+  return store;
+}
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const Environment& env) {
+  if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) return c10d::ProcessGroupGloo::createDeviceForInterface(iface);
+  const bool local = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
+  return local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+               : c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+class C10dGroup : public Group {
+ public:
+  C10dGroup(std::string backend, torch::Device device)
+      : backend_(std::move(backend)), device_(device), timeout_(configured_timeout()) {
+    const auto& env = environment();
+    rank_ = env.rank;
+    size_ = env.world_size;
+    store_ = c10::make_intrusive<c10d::PrefixStore>("strata/" + backend_, process_store());
+    try {
+      if (backend_ == "nccl") {
+        impl_ = make_nccl_backend(store_, rank_, size_, timeout_);
+      } else {
+        auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+        options->devices.push_back(gloo_device(env));
+        options->threads = 2;
+        impl_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank_, size_, options);
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      STRATA_FAIL("distributed: rank " << rank_ << " could not join the " << backend_ << " group of " << size_
+                                       << " ranks within " << timeout_.count() / 1000 << " s: " << e.what());
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& backend() const override { return backend_; }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
+  Work all_gather(const torch::Tensor& out, const torch::Tensor& in) override {
+    STRATA_CHECK(out.is_contiguous() && in.is_contiguous() && out.numel() == in.numel() * size_,
+                 "all_gather: out has " << out.numel() << " elements, in " << in.numel() << ", world " << size_);
+    before_collective();
+    if (backend_ == "nccl") {
+      auto o = out, i = in;
+      return finish("all-gather", impl_->_allgather_base(o, i));
+    }
+    std::vector<std::vector<torch::Tensor>> outs(1);
+    for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+    std::vector<torch::Tensor> ins{in};
+    return finish("all-gather", impl_->allgather(outs, ins));
+  }
+
+  Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) override {
+    STRATA_CHECK(in.is_contiguous() && out.is_contiguous() && in.numel() == out.numel() * size_,
+                 "reduce_scatter: in has " << in.numel() << " elements, out " << out.numel() << ", world " << size_);
+    before_collective();
+    if (backend_ == "nccl") {
+      auto o = out, i = in;
+      return finish("reduce-scatter", impl_->_reduce_scatter_base(o, i));
+    }
+    // Gloo in LibTorch 1.13 has no reduce-scatter: all-reduce the whole, keep this rank's slice.
+    std::vector<torch::Tensor> ts{in};
+    auto slice = in.narrow(0, rank_ * out.numel(), out.numel());
+    return finish("reduce-scatter", impl_->allreduce(ts), [out, slice]() mutable {
+      torch::NoGradGuard no_grad;
+      out.copy_(slice);
+    });
+  }
+
+  Work all_reduce(const torch::Tensor& t) override {
+    before_collective();
+    std::vector<torch::Tensor> ts{t};
+    return finish("all-reduce", impl_->allreduce(ts));
+  }
+
+  void agree(const std::string& topic, const std::string& value) override {
+    const auto round = rounds_[topic]++;
+    const std::string prefix = "agree/" + topic + "/" + std::to_string(round) + "/";
+    auto as_bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+    store_->set(prefix + std::to_string(rank_), as_bytes(value));
+    std::string first;
+    for (int r = 0; r < size_; ++r) {
+      std::vector<uint8_t> got;
+      try {
+        got = store_->get(prefix + std::to_string(r));
+      } catch (const std::exception& e) {
+        STRATA_FAIL(topic << ": rank " << r << " did not arrive within " << timeout_.count() / 1000 << " s (rank "
+                          << rank_ << " waited; do all " << size_ << " ranks run the same program with the same WORLD_SIZE?)");
+      }
+      const std::string v(got.begin(), got.end());
+      if (r == 0) first = v;
+      STRATA_CHECK(v == first, topic << ": rank " << r << " has " << v << " but rank 0 has " << first);
+    }
+  }
+
+ private:
+  void before_collective() {
+    const auto d = device::injected_delays().collective;
+    if (d.count() > 0) device::Stream::compute(device_).delay(d);
+  }
+
+  Work finish(const char* what, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) {
+    auto timeout = timeout_;
+    const int rank = rank_, size = size_;
+    const std::string backend = backend_;
+    return Work([work, after, timeout, rank, size, backend, what] {
+      try {
+        work->wait(timeout);
+      } catch (const std::exception& e) {
+        STRATA_FAIL("distributed: " << what << " on rank " << rank << " of " << size << " (" << backend
+                                    << ") failed or timed out after " << timeout.count() / 1000 << " s: " << e.what());
+      }
+      if (after) after();
+    });
+  }
+
+  std::string backend_;
+  torch::Device device_;
+  std::chrono::milliseconds timeout_;
+  int rank_ = 0, size_ = 1;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<compat::CollectiveBackend> impl_;
+  std::map<std::string, int64_t> rounds_;
+};
+
+}  // namespace
+
+std::shared_ptr<Group> group_for(const torch::Device& device) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<Group>> groups;
+  std::string backend = "gloo";
+  if (device.is_cuda()) {
+    const char* choice = std::getenv("STRATA_CUDA_BACKEND");
+    backend = choice ? choice : "nccl";
+    STRATA_CHECK(backend == "nccl" || backend == "gloo",
+                 "distributed: STRATA_CUDA_BACKEND='" << backend << "' is not valid; use nccl or gloo");
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& g = groups[backend];
+  if (!g) g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device);
+  return g;
+}
+
+}  // namespace strata::distributed

@@ -1,0 +1,75 @@
+#pragma once
+// The process-group layer: one process per rank, finding each other the torchrun way (RANK,
+// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, a c10d TCPStore; under torchrun's agent, its
+// store), with c10d's own backends: Gloo for tensors on the CPU, NCCL for tensors on CUDA. So any
+// launcher that sets those variables (torchrun --no-python, Slurm, strategies/distributed/
+// launch.py) starts strata on any number of machines. Without them, a process is rank 0 of a world
+// of one. Every collective and every rendezvous has a timeout: a rank that died or never came
+// turns into an Error on the others, never a hang.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace strata::distributed {
+
+/// Where this process stands, from the environment.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool agent_store = false;  ///< TORCHELASTIC_USE_AGENT_STORE: torchrun's agent serves the store
+  int restart_count = 0;     ///< TORCHELASTIC_RESTART_COUNT: the store's keys are this attempt's
+  bool launched = false;     ///< the variables were set (else: a world of one)
+
+  /// Reads and checks the variables; an Error names a missing or malformed one.
+  static Environment from_env();
+};
+
+/// A collective in flight. wait() returns once it is done (the CPU) or once the current CUDA
+/// stream waits for it (NCCL), and throws a strata::Error naming the collective and the ranks if it
+/// failed or timed out. Waiting twice is a no-op.
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait();
+  bool pending() const { return static_cast<bool>(wait_); }
+
+ private:
+  std::function<void()> wait_;
+};
+
+class Group {
+ public:
+  virtual ~Group() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& backend() const = 0;  ///< "gloo" or "nccl"
+  virtual std::chrono::milliseconds timeout() const = 0;
+  /// out (contiguous, size() x in.numel() elements) <- every rank's `in`, in rank order.
+  virtual Work all_gather(const torch::Tensor& out, const torch::Tensor& in) = 0;
+  /// out (in.numel() / size() elements) <- the sum over ranks of their `in`'s slice number rank().
+  /// `in` is used as scratch space and must not be read until the work is waited for.
+  virtual Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) = 0;
+  /// t <- the sum of every rank's t, in place.
+  virtual Work all_reduce(const torch::Tensor& t) = 0;
+  /// Every rank passes its `value` for `topic` (e.g. a description of its model); throws the same
+  /// Error on every rank when one differs from rank 0's, naming both, or when a rank does not
+  /// arrive within the timeout.
+  virtual void agree(const std::string& topic, const std::string& value) = 0;
+};
+
+/// The process's group for tensors on `device`'s type (Gloo for the CPU; NCCL for CUDA, or Gloo
+/// where STRATA_CUDA_BACKEND=gloo), made on first use from the environment and kept for the
+/// process's lifetime. Timeout: STRATA_DIST_TIMEOUT_S seconds (default 300).
+std::shared_ptr<Group> group_for(const torch::Device& device);
+
+/// The environment group_for() uses, read once.
+const Environment& environment();
+
+}  // namespace strata::distributed

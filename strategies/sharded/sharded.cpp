@@ -1,0 +1,414 @@
+#include "strategies/sharded/sharded.h"
+
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <unordered_map>
+
+#include "models/check.h"
+#include "models/compat.h"
+#include "strategies/options.h"
+
+namespace strata {
+
+ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& options) {
+  OptionReader reader("sharded", options);
+  ShardedOptions o;
+  o.prefetch = reader.get_int("prefetch", o.prefetch);
+  const auto activations = reader.get_string("activations", "recompute");
+  STRATA_CHECK(activations == "recompute" || activations == "keep",
+               "sharded: option activations='" << activations << "' is not valid; use recompute or keep");
+  o.recompute = activations == "recompute";
+  o.reshard_after_forward = reader.get_bool("reshard_after_forward", o.reshard_after_forward);
+  o.offload = reader.get_bool("offload", o.offload);
+  o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
+  o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
+  o.debug_fail_rank = reader.get_int("debug_fail_rank", o.debug_fail_rank);
+  reader.finish();
+  o.validate();
+  return o;
+}
+
+void ShardedOptions::validate() const {
+  STRATA_CHECK(prefetch >= 0, "sharded: prefetch=" << prefetch << " must be 0 (gather when needed) or more");
+}
+
+std::string ShardedOptions::to_string() const {
+  std::ostringstream out;
+  out << "prefetch=" << prefetch << " recompute=" << recompute << " reshard_after_forward=" << reshard_after_forward
+      << " offload=" << offload;
+  return out.str();
+}
+
+struct Sharded::Unit {
+  std::vector<int64_t> params;  ///< indices into model().parameters(): trainable first
+  int64_t numel = 0, trainable_numel = 0;
+  int64_t padded = 0;           ///< numel rounded up to a multiple of the world size
+  int64_t shard_numel = 0;      ///< padded / world size
+  int64_t trainable_in_shard = 0;  ///< leading elements of this rank's shard that train
+  int users = 0, pending_users = 0;
+  torch::Tensor shard;          ///< this rank's slice: on the device, or pinned host memory (offload)
+  torch::Tensor shard_grad;     ///< its gradient since the last optimizer step, beside it
+  bool has_grad = false;
+  torch::Tensor full;           ///< [padded] on the device; storage exists only while gathered
+  int references = 0;
+  distributed::Work gathering;
+  torch::Tensor grad_full;      ///< [padded] this step's uses summed, until reduce-scattered
+  torch::Tensor reduced;        ///< [shard] the reduce-scatter's result, until added to shard_grad
+  distributed::Work reducing;
+  OptimizerState optimizer;
+};
+
+namespace {
+torch::Device compute_device(const torch::Device& requested) {
+  const auto& env = distributed::environment();
+  // Launched over several GPUs, each rank computes on its own: cuda:LOCAL_RANK.
+  if (requested.is_cuda() && env.launched && env.world_size > 1)
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  return requested;
+}
+}  // namespace
+
+Sharded::Sharded(std::string name, const StrategyConfig& config, ShardedOptions options)
+    : name_(std::move(name)), config_(config), options_(std::move(options)), device_(compute_device(config.device)) {
+  device::check_available(device_);
+}
+
+Sharded::~Sharded() {
+  for (auto& unit : units_) {
+    try {
+      unit.gathering.wait();
+      unit.reducing.wait();
+    } catch (...) {  // a failed collective was reported where it failed
+    }
+  }
+}
+
+models::BlockModel& Sharded::model() {
+  STRATA_CHECK(model_.has_value(), name_ << ": attach() a model first");
+  return *model_;
+}
+
+int Sharded::rank() const { return group_ ? group_->rank() : 0; }
+int Sharded::world_size() const { return group_ ? group_->size() : 1; }
+
+std::pair<int64_t, int64_t> Sharded::slice_of(int64_t batch) const {
+  const int64_t w = world_size(), r = rank();
+  STRATA_CHECK(batch >= w, name_ << ": a global batch of " << batch << " samples cannot be split over " << w
+                                 << " ranks; give at least one sample per rank");
+  return {batch * r / w, batch * (r + 1) / w};
+}
+
+void Sharded::count_collective(int64_t bytes, double factor) {
+  bytes_interconnect_ += static_cast<int64_t>(std::llround(static_cast<double>(bytes) * factor));
+}
+
+void Sharded::attach_model(models::BlockModel model) {
+  group_ = distributed::group_for(device_);
+  const int64_t w = group_->size(), r = group_->rank();
+  const auto& params = model.parameters();
+
+  // Every rank must hold the same model under the same options, or the collectives below would
+  // pair different tensors: agree first, with an Error on every rank if not.
+  std::ostringstream layout;
+  for (const auto& p : params) layout << p.name << p.tensor.sizes() << p.tensor.requires_grad() << ";";
+  for (const auto& b : model.buffers()) layout << b.name << b.tensor.sizes() << ";";
+  std::ostringstream description;
+  description << name_ << "(" << options_.to_string() << ") world " << w << ", model of " << params.size()
+              << " parameters / " << model.parameter_count() << " elements, layout #" << std::hex
+              << std::hash<std::string>{}(layout.str());
+  group_->agree(name_ + " attach", description.str());
+
+  auto plan = plan_units(model);
+  windows_ = std::move(plan.windows);
+  units_.resize(plan.units.size());
+  param_slot_.assign(params.size(), {-1, 0});
+  const auto dev_options = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = units_[u];
+    unit.params = std::move(plan.units[u]);
+    unit.users = plan.users[u];
+    for (auto p : unit.params) {
+      STRATA_CHECK(params[p].tensor.scalar_type() == torch::kFloat,
+                   name_ << ": parameter '" << params[p].name << "' is " << params[p].tensor.scalar_type()
+                         << "; sharded handles float32 parameters");
+      param_slot_[p] = {static_cast<int64_t>(u), unit.numel};
+      unit.numel += params[p].tensor.numel();
+      if (params[p].tensor.requires_grad()) unit.trainable_numel = unit.numel;
+    }
+    unit.padded = (unit.numel + w - 1) / w * w;
+    unit.shard_numel = unit.padded / w;
+    unit.trainable_in_shard = std::clamp<int64_t>(unit.trainable_numel - r * unit.shard_numel, 0, unit.shard_numel);
+    // The padding is zeros, never updated (it lies past trainable_numel) and never returned.
+    auto flat = torch::zeros({unit.padded});
+    for (auto p : unit.params)
+      flat.narrow(0, param_slot_[p].second, params[p].tensor.numel()).copy_(params[p].tensor.detach().reshape({-1}));
+    auto mine = flat.narrow(0, r * unit.shard_numel, unit.shard_numel);
+    if (options_.offload) {
+      unit.shard = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).copy_(mine);
+      if (unit.trainable_numel > 0) unit.shard_grad = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).zero_();
+    } else {
+      unit.shard = mine.to(device_, /*non_blocking=*/false, /*copy=*/true);
+      if (unit.trainable_numel > 0) unit.shard_grad = torch::zeros({unit.shard_numel}, dev_options);
+    }
+    shard_bytes_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+    unit.full = torch::empty({unit.padded}, dev_options);
+    for (auto p : unit.params) {
+      auto& t = params[p].tensor;
+      t.set_data(unit.full.narrow(0, param_slot_[p].second, t.numel()).view(t.sizes()));
+    }
+    compat::release_storage(unit.full.storage());
+  }
+  // Buffers live on the device, whole on every rank (they are small, and most are fixed).
+  for (const auto& b : model.buffers()) b.tensor.set_data(b.tensor.to(device_));
+  held_.assign(windows_.size(), false);
+  kept_.assign(windows_.size(), {});
+  anchor_ = torch::empty({0}, dev_options).requires_grad_(true);
+  model_.emplace(std::move(model));
+}
+
+void Sharded::gather(Unit& unit) {
+  if (unit.references++ > 0) return;
+  const int64_t bytes = unit.padded * static_cast<int64_t>(sizeof(float));
+  try {
+    compat::reallocate_storage(unit.full.storage(), static_cast<size_t>(bytes));
+  } catch (...) {
+    --unit.references;
+    throw;
+  }
+  torch::NoGradGuard no_grad;
+  if (options_.debug_poison) unit.full.fill_(std::numeric_limits<float>::quiet_NaN());
+  auto source = unit.shard;
+  if (options_.offload) {
+    source = unit.shard.to(device_, /*non_blocking=*/true);
+    bytes_h2d_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+  }
+  unit.gathering = group_->all_gather(unit.full, source);
+  const auto w = static_cast<double>(world_size());
+  count_collective(bytes, (w - 1) / w);
+  gathered_bytes_ += bytes;
+  peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
+}
+
+void Sharded::release(Unit& unit) {
+  STRATA_CHECK(unit.references > 0, name_ << ": a unit was released more often than it was gathered");
+  if (--unit.references > 0) return;
+  unit.gathering.wait();  // a gather nobody waited for may still be writing the buffer
+  compat::release_storage(unit.full.storage());
+  gathered_bytes_ -= unit.padded * static_cast<int64_t>(sizeof(float));
+}
+
+void Sharded::hold_window(int64_t block) {
+  if (held_[block]) return;
+  for (auto u : windows_[block]) gather(units_[u]);
+  held_[block] = true;
+}
+
+void Sharded::drop_window(int64_t block) {
+  if (!held_[block]) return;
+  held_[block] = false;
+  for (auto u : windows_[block]) release(units_[u]);
+}
+
+void Sharded::prefetch_from(int64_t block, bool backward) {
+  const auto n = static_cast<int64_t>(windows_.size());
+  for (int64_t k = 1; k <= options_.prefetch; ++k) {
+    const int64_t next = backward ? block - k : block + k;
+    if (next < 0 || next >= n) break;
+    hold_window(next);
+  }
+}
+
+void Sharded::before_compute(int64_t block, bool backward) {
+  if (!backward && options_.debug_fail_rank == rank() && step_blocks_++ == 1)
+    STRATA_FAIL(name_ << ": failure injected on rank " << rank() << " (debug_fail_rank)");
+  hold_window(block);
+  prefetch_from(block, backward);  // launched behind this block's gather, overlapping its compute
+  if (!options_.debug_skip_waits)
+    for (auto u : windows_[block]) units_[u].gathering.wait();
+}
+
+void Sharded::after_compute(int64_t block, bool backward) {
+  if (!backward && !options_.reshard_after_forward) return;  // kept for its backward
+  drop_window(block);
+}
+
+void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
+  const auto& params = model().parameters();
+  std::unordered_map<const void*, torch::Tensor> grad_of;
+  auto block_params = model().blocks()[block]->parameters();
+  for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
+  torch::NoGradGuard no_grad;
+  for (auto u : windows_[block]) {
+    auto& unit = units_[u];
+    if (unit.trainable_numel == 0) continue;  // all frozen: nothing to reduce or update
+    if (!unit.grad_full.defined()) unit.grad_full = torch::zeros({unit.padded}, unit.full.options());
+    for (auto p : unit.params) {
+      const auto& t = params[p].tensor;
+      if (!t.requires_grad()) break;  // the frozen tail
+      const auto& g = grad_of.at(t.unsafeGetTensorImpl());
+      if (g.defined()) unit.grad_full.narrow(0, param_slot_[p].second, t.numel()).add_(g.reshape({-1}));
+    }
+    if (--unit.pending_users > 0) continue;  // a shared parameter: its other uses come later in backward
+    // Its last use is done: reduce-scatter now, while the next block's backward runs.
+    unit.reduced = torch::empty({unit.shard_numel}, unit.full.options());
+    unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
+    const auto w = static_cast<double>(world_size());
+    count_collective(unit.padded * static_cast<int64_t>(sizeof(float)),
+                     group_->backend() == "nccl" ? (w - 1) / w : 2 * (w - 1) / w);  // Gloo: all-reduce
+  }
+}
+
+void Sharded::finish_reductions() {
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    if (!unit.reducing.pending()) continue;
+    unit.reducing.wait();
+    if (options_.offload) {
+      unit.shard_grad.add_(unit.reduced.to(torch::kCPU));
+      bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+    } else {
+      unit.shard_grad.add_(unit.reduced);
+    }
+    unit.has_grad = true;
+    unit.reduced = torch::Tensor();
+    unit.grad_full = torch::Tensor();
+  }
+}
+
+double Sharded::train_step(const models::Batch& batch) {
+  auto& m = model();
+  const auto [lo, hi] = slice_of(batch.size());
+  for (auto& unit : units_) unit.pending_users = unit.users;
+  step_blocks_ = 0;
+  auto clean_up = [&] {
+    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    for (auto& kept : kept_) kept = {};
+    anchor_.mutable_grad() = torch::Tensor();
+  };
+  double local = 0.0;
+  try {
+    // The rank's slice, weighted by its share of the whole batch's targets.
+    auto x = batch.input.narrow(0, lo, hi - lo).to(device_);
+    auto target = batch.target.narrow(0, lo, hi - lo).to(device_);
+    bytes_h2d_ += (batch.input.nbytes() + batch.target.nbytes()) * (hi - lo) / batch.size();
+    const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
+    for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
+    auto loss = m.loss_sum(x, target) / counted;
+    x = torch::Tensor();
+    loss.backward();
+    finish_reductions();
+    clean_up();
+    local = loss.item<double>();
+  } catch (...) {
+    clean_up();
+    for (auto& unit : units_) unit.grad_full = torch::Tensor();
+    throw;
+  }
+  // The whole batch's mean: every rank's weighted share, summed.
+  auto total = torch::tensor({local}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  group_->all_reduce(total).wait();
+  const auto w = static_cast<double>(world_size());
+  count_collective(static_cast<int64_t>(sizeof(double)), 2 * (w - 1) / w);
+  return total.item<double>();
+}
+
+torch::Tensor Sharded::forward(const torch::Tensor& input) {
+  auto& m = model();
+  torch::NoGradGuard no_grad;
+  bytes_h2d_ += input.nbytes();
+  auto x = input.to(device_);
+  for (int64_t b = 0; b < m.num_blocks(); ++b) {
+    hold_window(b);
+    prefetch_from(b, /*backward=*/false);
+    for (auto u : windows_[b]) units_[u].gathering.wait();
+    x = m.blocks()[b]->forward(x);
+    drop_window(b);
+  }
+  return x;
+}
+
+void Sharded::optimizer_step() {
+  model();
+  finish_reductions();
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    if (!unit.has_grad) continue;
+    if (unit.trainable_in_shard > 0) {
+      auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
+      auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
+      optimizer_update(config_.optimizer, p, g, unit.optimizer);
+    }
+    unit.shard_grad.zero_();
+    unit.has_grad = false;
+  }
+}
+
+torch::Tensor Sharded::gather_full(const Unit& unit, const torch::Tensor& part) {
+  auto out = torch::empty({unit.padded}, unit.full.options());
+  group_->all_gather(out, part.to(device_)).wait();
+  return out.to(torch::kCPU);
+}
+
+NamedTensors Sharded::full_tensors(bool grads) {
+  const auto& params = model().parameters();
+  finish_reductions();
+  std::vector<torch::Tensor> flats(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& unit = units_[u];
+    if (grads && !unit.has_grad) continue;  // the same on every rank: no collective, zeros below
+    flats[u] = gather_full(unit, grads ? unit.shard_grad : unit.shard);
+  }
+  NamedTensors out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    const auto& t = params[p].tensor;
+    const bool zero = !flats[u].defined() || (grads && !t.requires_grad());
+    out.emplace_back(params[p].name,
+                     zero ? torch::zeros(t.sizes()) : flats[u].narrow(0, offset, t.numel()).view(t.sizes()).clone());
+  }
+  return out;
+}
+
+NamedTensors Sharded::gradients() { return full_tensors(/*grads=*/true); }
+NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
+NamedTensors Sharded::buffers() { return host_copies(model().buffers()); }
+
+Stats Sharded::stats() {
+  Stats s;
+  s.bytes_h2d = bytes_h2d_;
+  s.bytes_d2h = bytes_d2h_;
+  s.bytes_interconnect = bytes_interconnect_;
+  auto& mem = s.devices[device_.str()];
+  const int64_t shards_here = options_.offload ? 0 : shard_bytes_;
+  mem.resident_param_bytes = shards_here + gathered_bytes_;
+  mem.peak_param_bytes = shards_here + peak_gathered_;
+  const auto alloc = device::allocator_stats(device_);
+  mem.peak_allocated = alloc.peak_allocated;
+  mem.peak_reserved = alloc.peak_reserved;
+  return s;
+}
+
+void Sharded::reset_stats() {
+  bytes_interconnect_ = bytes_h2d_ = bytes_d2h_ = 0;
+  peak_gathered_ = gathered_bytes_;
+  device::reset_peak_stats(device_);
+}
+
+namespace {
+std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
+                               const std::map<std::string, std::string>& defaults) {
+  auto options = defaults;
+  for (const auto& [k, v] : c.options) options[k] = v;
+  return std::make_unique<Sharded>(name, c, ShardedOptions::parse(options));
+}
+}  // namespace
+
+STRATA_REGISTER_STRATEGY("sharded",
+                         "ZeRO-3 / FSDP: parameters, gradients and optimizer state sharded over the ranks of a c10d group",
+                         [](const StrategyConfig& c) { return make("sharded", c, {}); });
+STRATA_REGISTER_STRATEGY("sharded_offload",
+                         "sharded with shards, gradients and optimizer state in pinned host memory, stepped on the host",
+                         [](const StrategyConfig& c) { return make("sharded_offload", c, {{"offload", "1"}}); });
+
+}  // namespace strata
