@@ -10,7 +10,12 @@ fails is not timed. For the offloading peers it also counts the offloaded blocks
 on the GPU after a step. Exit status 1 when a peer errored or failed parity (out of memory is a
 result).
 
+Under torchrun with several ranks it runs the data-parallel peers instead — DDP, FSDP2
+(fully_shard per block and on the root) and FSDP2 with CPUOffloadPolicy — one GPU per rank, each
+first checked on gpt-tiny against one process on the whole batch.
+
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
+  torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --out=peers-x2.json
 """
 import argparse
 import importlib.util
@@ -93,7 +98,7 @@ class GPT(nn.Module):
         return self.head(x)
 
 
-def timed_steps(model, opt, idx, target, steps, backward_ctx=None):
+def timed_steps(model, opt, idx, target, steps, backward_ctx=None, vocab=None, scale=1.0):
     fb, op = [], []
     for i in range(steps + 2):  # 2 warm-up steps, as strata_bench
         if i == 2:
@@ -101,7 +106,8 @@ def timed_steps(model, opt, idx, target, steps, backward_ctx=None):
             torch.cuda.reset_peak_memory_stats()
         e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
-        loss = F.cross_entropy(model(idx).reshape(-1, model.embedding.tokens.shape[0]), target.reshape(-1))
+        out = model(idx)
+        loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
         if backward_ctx:
             with backward_ctx():
                 loss.backward()
@@ -264,6 +270,111 @@ def run_peer(kind, c, steps, offload_py, model_name):
     return entry(name, c, fb, op, {k: v for k, v in extra.items() if v is not None})
 
 
+def build_distributed_peer(kind, c, dev, local):
+    """DDP, FSDP2 (fully_shard per block and on the root: the tied embedding and head share the root's
+    group) or FSDP2 with CPUOffloadPolicy, each rank on its own GPU; models from torch.manual_seed(0)."""
+    torch.manual_seed(0)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(GPT(c, checkpoint=False).to(dev), device_ids=[local])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    offload = kind == "fsdp2_cpu_offload"
+    model = GPT(c, checkpoint=offload)
+    if not offload:
+        model.to(dev)
+    policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    for b in model.blocks:
+        fully_shard(b, **policy)
+    fully_shard(model, **policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def distributed_parity(kind, dev, local, rank, world):
+    """Every rank runs its slice of a global batch of 2 x world on gpt-tiny; the peer's full
+    gradients (all-reduced by DDP, gathered from FSDP2's shards) must equal one process's on the
+    whole batch, in full fp32."""
+    c = dict(PRESETS["gpt-tiny"], batch=2 * world)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        idx, target = batch(c, dev)
+        torch.manual_seed(0)
+        ref = GPT(c, checkpoint=False).to(dev)
+        F.cross_entropy(ref(idx).reshape(-1, c["vocab"]), target.reshape(-1)).backward()
+        expected = {n: p.grad.detach().float().cpu() for n, p in ref.named_parameters()}
+        model, _ = build_distributed_peer(kind, c, dev, local)
+        mine = slice(rank * 2, rank * 2 + 2)
+        out = model(idx[mine])
+        F.cross_entropy(out.reshape(-1, c["vocab"]), target[mine].reshape(-1)).backward()
+        torch.cuda.synchronize()
+        got = {n.replace("module.", ""): full(p.grad) for n, p in model.named_parameters()}
+        worst = 0.0
+        for n, g in expected.items():
+            if n not in got:
+                return False, float("inf")
+            worst = max(worst, (got[n] - g).abs().max().item() / (g.abs().max().item() or 1.0))
+        return worst < 1e-4, worst
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def run_distributed(args):
+    """Under torchrun: the data-parallel peers on one GPU per rank, each rank on its slice of the
+    global batch; a step is the slowest rank's; rank 0 writes the JSON."""
+    import torch.distributed as dist
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    c = PRESETS[args.model]
+    if c["batch"] % world:
+        sys.exit(f"peers.py: the global batch of {c['batch']} does not split evenly over {world} ranks")
+    per = c["batch"] // world
+    results = []
+    for kind in args.peers.split(","):
+        name = f"{kind}[ranks={world}]/{args.model}"
+        t0 = time.time()
+        try:
+            ok, worst = distributed_parity(kind, dev, local, rank, world)
+            if not ok:
+                results.append(failed(name, f"parity failed: largest relative difference {worst:.3g} on gpt-tiny"))
+                continue
+            torch.cuda.empty_cache()
+            idx, target = batch(c, dev)
+            model, opt = build_distributed_peer(kind, c, dev, local)
+            mine = slice(rank * per, (rank + 1) * per)
+            fb, op = timed_steps(model, opt, idx[mine], target[mine], args.steps, vocab=c["vocab"])
+            times = torch.tensor([statistics.mean(fb), statistics.mean(op)], device=dev)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            peaks = torch.zeros(2, world, device=dev)
+            peaks[0, rank], peaks[1, rank] = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            dist.all_reduce(peaks)
+            r = entry(name, c, [times[0].item()], [times[1].item()], {"parity_ok": 1, "parity_rel_diff": worst})
+            for k in range(world):
+                r[f"peak_allocated_bytes.cuda:{k}"] = peaks[0, k].item()
+                r[f"peak_reserved_bytes.cuda:{k}"] = peaks[1, k].item()
+            r["peak_allocated_bytes"], r["peak_reserved_bytes"] = peaks[0].max().item(), peaks[1].max().item()
+            results.append(r)
+            if rank == 0:
+                print(f"peers.py: {name}: {r['real_time']:.1f} ms/step, peak per rank {r['peak_allocated_bytes'] / 2**30:.2f}"
+                      f" GiB ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            del model, opt
+        except Exception as e:
+            results.append(failed(name, f"{type(e).__name__}: {e}"))
+            print(f"peers.py: rank {rank}: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    if rank == 0:
+        context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__, "ranks": world,
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with open(args.out, "w") as f:
+            json.dump({"context": context, "benchmarks": results}, f, indent=1)
+    dist.destroy_process_group()
+    bad = [r["name"] for r in results if r.get("error_occurred") and not r["error_message"].startswith("out of memory")]
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt-871m", choices=sorted(PRESETS))
@@ -274,6 +385,10 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peers.py: needs a CUDA device")
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.peers == ap.get_default("peers"):
+            args.peers = "ddp,fsdp2,fsdp2_cpu_offload"
+        return run_distributed(args)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     c = PRESETS[args.model]

@@ -2,6 +2,10 @@
 // each of which checks parity on a small batch first and refuses to time a strategy that fails it.
 // Formulas of every counter: bench/METRICS.md.
 //
+// Launched as several ranks (torchrun --no-python, strategies/distributed/launch.py), every rank
+// runs every cell on cuda:LOCAL_RANK; a step's time is the slowest rank's, each rank's peak is a
+// counter peak_allocated_bytes.cuda:<rank>, and rank 0 alone writes the output.
+//
 // Exit status: 0 when every cell ran or ran out of memory (a result, recorded as such); 1 when any
 // cell failed its parity check or errored; 2 for bad arguments.
 //
@@ -29,6 +33,7 @@
 #include "bench/common.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
+#include "strategies/distributed/process_group.h"
 #include "strategies/options.h"
 #include "strategies/strategy.h"
 
@@ -47,6 +52,9 @@ struct Settings {
   int64_t batch = 0;                           ///< overrides the presets' batch size
   std::map<std::string, std::string> options;  ///< as given: key=value or strategy:key=value
   int repetitions = 1;                         ///< Google Benchmark's --benchmark_repetitions
+  /// Launched as one of several ranks (torchrun, launch.py): every rank runs every cell, each on
+  /// its own device; times are the slowest rank's, peaks are per rank, rank 0 reports.
+  std::shared_ptr<distributed::Group> ranks;
 };
 
 // True when the options place the strategy on more than one distinct device.
@@ -241,15 +249,36 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
       opt.start();
       strategy->optimizer_step();
       opt.stop();
-      const double f = fb.elapsed_ms(), o = opt.elapsed_ms();
+      double f = fb.elapsed_ms(), o = opt.elapsed_ms();
+      if (settings.ranks) {  // a step takes as long as its slowest rank
+        auto t = torch::tensor({f, o}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+        settings.ranks->all_reduce(t, /*max=*/true).wait();
+        t = t.cpu();
+        f = t[0].item<double>();
+        o = t[1].item<double>();
+      }
       fb_ms += f;
       opt_ms += o;
       ++steps;
       state.SetIterationTime((f + o) / 1e3);
     }
     const auto stats = strategy->stats();
-    const auto peaks = peaks_of(stats);
-    if (stats.devices.size() > 1) {
+    auto peaks = peaks_of(stats);
+    if (settings.ranks) {  // every rank's peak, named after its device
+      const auto w = settings.ranks->size(), r = settings.ranks->rank();
+      auto all = torch::zeros({2, w}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+      all[0][r] = static_cast<double>(peaks.allocated);
+      all[1][r] = static_cast<double>(peaks.reserved);
+      settings.ranks->all_reduce(all).wait();
+      all = all.cpu();
+      for (int64_t k = 0; k < w; ++k) {
+        const auto name = dev.is_cuda() ? "cuda:" + std::to_string(k) : "rank" + std::to_string(k);
+        state.counters["peak_allocated_bytes." + name] = all[0][k].item<double>();
+        state.counters["peak_reserved_bytes." + name] = all[1][k].item<double>();
+      }
+      peaks.allocated = static_cast<int64_t>(all[0].max().item<double>());
+      peaks.reserved = static_cast<int64_t>(all[1].max().item<double>());
+    } else if (stats.devices.size() > 1) {
       for (const auto& [name, mem] : stats.devices) {
         state.counters["peak_allocated_bytes." + name] = static_cast<double>(mem.peak_allocated);
         state.counters["peak_reserved_bytes." + name] = static_cast<double>(mem.peak_reserved);
@@ -268,7 +297,8 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["interconnect_bytes_per_step"] = static_cast<double>(stats.bytes_interconnect) / steps;
     state.counters["h2d_GBps"] = static_cast<double>(stats.bytes_h2d) / steps / step_s / 1e9;
     // Against the GPUs the cell uses: the datasheet's figure (MFU), and the rate measured at start.
-    const double achieved = flops_per_step / step_s / 1e12, gpus = static_cast<double>(gpus_used(options));
+    const double achieved = flops_per_step / step_s / 1e12;
+    const double gpus = static_cast<double>(strategy->world_size() > 1 ? strategy->world_size() : gpus_used(options));
     if (settings.datasheet_tflops > 0) state.counters["mfu"] = achieved / (settings.datasheet_tflops * gpus);
     state.counters["matmul_fraction"] = achieved / (settings.peak_tflops * gpus);
     state.counters["gpus"] = gpus;
@@ -321,6 +351,8 @@ int run(int argc, char** argv) {
     }
   }
   STRATA_CHECK(s.steps >= 1, "--steps=" << s.steps << " must be at least 1");
+  if (s.device.is_cuda() && distributed::environment().launched && distributed::environment().world_size > 1)
+    s.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(distributed::environment().local_rank));
   if (s.models.empty())
     s.models = s.device.is_cuda() ? std::vector<std::string>{"gpt-medium", "gpt-871m"}
                                   : std::vector<std::string>{"mlp-tiny", "gpt-tiny", "bert-tiny"};
@@ -343,6 +375,17 @@ int run(int argc, char** argv) {
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
 
+  const auto& env = distributed::environment();
+  if (env.launched && env.world_size > 1) {
+    s.ranks = distributed::group_for(s.device);
+    benchmark::AddCustomContext("ranks", std::to_string(env.world_size));
+    if (env.rank != 0) {  // rank 0 reports; the others run the same cells, silently
+      rest.erase(std::remove_if(rest.begin() + 1, rest.end(),
+                                [](char* a) { return std::string(a).rfind("--benchmark_out", 0) == 0; }),
+                 rest.end());
+      if (!std::freopen("/dev/null", "w", stdout)) std::perror("strata_bench: /dev/null");
+    }
+  }
   int argc2 = static_cast<int>(rest.size());
   benchmark::Initialize(&argc2, rest.data());
   const int total = static_cast<int>(s.models.size() * s.strategies.size());

@@ -80,6 +80,9 @@ class Strategy {
   virtual NamedTensors parameters() = 0;
   /// The model's buffers (running statistics, fixed tables) as host tensors by canonical name.
   virtual NamedTensors buffers() = 0;
+  /// Processes (ranks) the strategy's model spans; each is handed the global batch. 1 for
+  /// single-process strategies.
+  virtual int world_size() const { return 1; }
   /// Bytes moved and memory held since the last reset_stats().
   virtual Stats stats() = 0;
   /// Zeroes the byte counters and the peaks (allocator peaks included).

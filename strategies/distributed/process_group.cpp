@@ -175,10 +175,12 @@ class C10dGroup : public Group {
     });
   }
 
-  Work all_reduce(const torch::Tensor& t) override {
+  Work all_reduce(const torch::Tensor& t, bool max) override {
     before_collective();
     std::vector<torch::Tensor> ts{t};
-    return finish("all-reduce", impl_->allreduce(ts));
+    c10d::AllreduceOptions options;
+    options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    return finish("all-reduce", impl_->allreduce(ts, options));
   }
 
   void agree(const std::string& topic, const std::string& value) override {

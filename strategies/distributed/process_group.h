@@ -56,8 +56,8 @@ class Group {
   /// out (in.numel() / size() elements) <- the sum over ranks of their `in`'s slice number rank().
   /// `in` is used as scratch space and must not be read until the work is waited for.
   virtual Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) = 0;
-  /// t <- the sum of every rank's t, in place.
-  virtual Work all_reduce(const torch::Tensor& t) = 0;
+  /// t <- the sum (or, with `max`, the largest) of every rank's t, in place.
+  virtual Work all_reduce(const torch::Tensor& t, bool max = false) = 0;
   /// Every rank passes its `value` for `topic` (e.g. a description of its model); throws the same
   /// Error on every rank when one differs from rank 0's, naming both, or when a rank does not
   /// arrive within the timeout.

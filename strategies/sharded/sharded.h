@@ -52,7 +52,7 @@ class Sharded : public Strategy, public WindowedRunner {
   void reset_stats() override;
 
   int rank() const;
-  int world_size() const;
+  int world_size() const override;
   /// Gathered parameter bytes on the device now (0 at rest: only shards remain).
   int64_t gathered_bytes() const { return gathered_bytes_; }
   /// This rank's rows [first, second) of a batch of `batch` samples.
