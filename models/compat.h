@@ -1,6 +1,7 @@
 #pragma once
 // Every difference between the LibTorch versions strata builds against (Debian's 1.13 on CPU, the
 // 2.x inside the PyTorch wheel on GPU machines) lives in this header and nowhere else.
+#include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -51,6 +52,10 @@ inline void release_storage(const c10::Storage& storage) {
 
 inline void reallocate_storage(const c10::Storage& storage, size_t nbytes) {
   auto* impl = storage.unsafeGetStorageImpl();
+  // The caching allocator allocates on the current device: make it the storage's own (a rank on
+  // cuda:1 whose current device is still cuda:0 would otherwise get memory of the wrong GPU).
+  c10::OptionalDeviceGuard on_its_device;
+  if (!impl->device().is_cpu()) on_its_device.reset_device(impl->device());
   impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
   impl->set_nbytes(nbytes);
 }

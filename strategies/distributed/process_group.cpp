@@ -5,6 +5,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -237,7 +239,10 @@ class C10dGroup : public Group {
 
 std::shared_ptr<Group> group_for(const torch::Device& device) {
   static std::mutex mutex;
-  static std::map<std::string, std::shared_ptr<Group>> groups;
+  // Never destroyed: a process group outlives every strategy, and NCCL's destructor at exit runs
+  // after CUDA has shut down and aborts the process (seen on the GPU machine). The system reclaims
+  // it; the ranks' work is complete by then (every collective is waited for).
+  static auto& groups = *new std::map<std::string, std::shared_ptr<Group>>();
   std::string backend = "gloo";
   if (device.is_cuda()) {
     const char* choice = std::getenv("STRATA_CUDA_BACKEND");
@@ -246,6 +251,12 @@ std::shared_ptr<Group> group_for(const torch::Device& device) {
                  "distributed: STRATA_CUDA_BACKEND='" << backend << "' is not valid; use nccl or gloo");
   }
   std::lock_guard<std::mutex> lock(mutex);
+  if (device.is_cuda()) {
+    // As torch.cuda.set_device(LOCAL_RANK) before init_process_group: this rank's GPU is the
+    // current one, for NCCL's communicators and for every allocation without a device of its own.
+    c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    cuda.setDevice(torch::Device(torch::kCUDA, device.index() < 0 ? 0 : device.index()));
+  }
   auto& g = groups[backend];
   if (!g) g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device);
   return g;
