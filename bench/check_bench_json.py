@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks a strata_bench JSON file: exactly one cell per strategy x model asked for, each of which
+"""Checks a strata_bench JSON file: a cell (its repetitions) per strategy x model asked for, each of which
 passed its parity check (counter parity_ok = 1), ran without error and measured a throughput.
 Exit 1, naming every cell that does not, otherwise 0.
 
@@ -21,15 +21,17 @@ def main():
         rows = json.load(f)["benchmarks"]
     by_cell = {}
     for r in rows:
-        by_cell.setdefault(re.sub(r"/iterations:\d+|/manual_time", "", r["name"]), []).append(r)
+        if r.get("run_type") == "aggregate":
+            continue  # with repetitions: the iteration rows are the cell's
+        by_cell.setdefault(re.sub(r"/iterations:\d+|/manual_time|/repeats:\d+", "", r["name"]), []).append(r)
     problems = []
     expected = {f"{s}/{m}" for s in args.strategies.split(",") if s for m in args.models.split(",") if m}
     for cell in sorted(expected):
         found = by_cell.get(cell, [])
-        if len(found) != 1:
-            problems.append(f"{cell}: {len(found)} rows, expected 1")
+        if not found:
+            problems.append(f"{cell}: no row")
             continue
-        r = found[0]
+        r = next((x for x in found if x.get("error_occurred")), found[0])
         if r.get("error_occurred"):
             problems.append(f"{cell}: {r.get('error_message', 'error')}")
         elif r.get("parity_ok") != 1:

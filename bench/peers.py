@@ -353,8 +353,8 @@ def run_distributed(args):
             dist.all_reduce(peaks)
             r = entry(name, c, [times[0].item()], [times[1].item()], {"parity_ok": 1, "parity_rel_diff": worst})
             for k in range(world):
-                r[f"peak_allocated_bytes.cuda:{k}"] = peaks[0, k].item()
-                r[f"peak_reserved_bytes.cuda:{k}"] = peaks[1, k].item()
+                r[f"peak_allocated_bytes.rank{k}"] = peaks[0, k].item()
+                r[f"peak_reserved_bytes.rank{k}"] = peaks[1, k].item()
             r["peak_allocated_bytes"], r["peak_reserved_bytes"] = peaks[0].max().item(), peaks[1].max().item()
             results.append(r)
             if rank == 0:
@@ -402,6 +402,9 @@ def main():
         try:
             results.append(run_peer(kind, c, args.steps, args.offload_py, args.model))
             r = results[-1]
+            if r.get("error_occurred"):
+                print(f"peers.py: {kind}: {r['error_message']}", file=sys.stderr, flush=True)
+                continue
             print(f"peers.py: {kind}: {r['real_time']:.1f} ms/step, peak {r['peak_allocated_bytes'] / 2**30:.2f} GiB"
                   f" ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         except Exception as e:  # an out-of-memory or a broken peer is a result; the others still run

@@ -4,7 +4,7 @@
 //
 // Launched as several ranks (torchrun --no-python, strategies/distributed/launch.py), every rank
 // runs every cell on cuda:LOCAL_RANK; a step's time is the slowest rank's, each rank's peak is a
-// counter peak_allocated_bytes.cuda:<rank>, and rank 0 alone writes the output.
+// counter peak_allocated_bytes.rank<R>, and rank 0 alone writes the output.
 //
 // Exit status: 0 when every cell ran or ran out of memory (a result, recorded as such); 1 when any
 // cell failed its parity check or errored; 2 for bad arguments.
@@ -272,7 +272,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
       settings.ranks->all_reduce(all).wait();
       all = all.cpu();
       for (int64_t k = 0; k < w; ++k) {
-        const auto name = dev.is_cuda() ? "cuda:" + std::to_string(k) : "rank" + std::to_string(k);
+        const auto name = "rank" + std::to_string(k);  // cuda:LOCAL_RANK repeats over nodes
         state.counters["peak_allocated_bytes." + name] = all[0][k].item<double>();
         state.counters["peak_reserved_bytes." + name] = all[1][k].item<double>();
       }

@@ -40,7 +40,7 @@ while [ "$(date +%s)" -lt "$end" ]; do
   if [ "$rc" -ne 0 ]; then
     failed_rounds=$((failed_rounds + 1))
     grep -E "^\[  FAILED  \]|Falsifiable|^  [a-z]+\(" "$log" | head -n 20
-    cp "$log" "explore-failure-$seed.log"
+    mkdir -p build && cp "$log" "build/explore-failure-$seed.log"
   fi
   rm -f "$log"
 done

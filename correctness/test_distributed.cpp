@@ -58,7 +58,7 @@ TEST(Distributed, tied_presets_and_own_models_match_the_baseline) {
   for (const auto* preset : {"gpt-tiny", "mlp-tied-tiny", "bert-tiny"}) {
     correctness::ParityCase c;
     c.model = models::preset(preset).config;
-    c.batch_size = world() + 2;  // uneven whenever the world is not 1 or 2... and 3 with 3 ranks
+    c.batch_size = world() + 2;  // 4 over 2 ranks (even), 5 over 3 (uneven)
     cases.push_back(c);
   }
   correctness::ParityCase chain;

@@ -340,11 +340,11 @@ TEST(HookOffload, buffers_live_on_the_device_and_a_recompute_updates_them_once) 
     s->attach(spec.build(0));
     for (const auto& b : s->model().buffers()) EXPECT_EQ(b.tensor.device(), test::device()) << b.name;
     s->train_step(spec.make_batch(4, 1));
-    for (const auto& [name, t] : s->buffers()) {
-      if (name == "2.norm.num_batches_tracked") {
-        EXPECT_EQ(t.item<int64_t>(), 1) << activations;
-      }
-    }
+    const auto buffers = s->buffers();
+    const auto counter = std::find_if(buffers.begin(), buffers.end(),
+                                      [](const auto& b) { return b.first == "2.norm.num_batches_tracked"; });
+    ASSERT_NE(counter, buffers.end());
+    EXPECT_EQ(counter->second.item<int64_t>(), 1) << activations;
     s->optimizer_step();
   }
 }

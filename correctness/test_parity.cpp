@@ -22,7 +22,18 @@ using ::testing::HasSubstr;
 
 std::vector<std::string> machine_devices() { return {test::device().str()}; }
 
-class Parity : public ::testing::TestWithParam<std::string> {};
+class Parity : public ::testing::TestWithParam<std::string> {
+ protected:
+  /// The strategy under test on the suite's device, attached to gpt-tiny built from `seed`.
+  std::unique_ptr<Strategy> attached(const models::ModelConfig& model, uint64_t seed = 1) {
+    StrategyConfig config;
+    config.device = test::device();
+    auto s = Registry::create(GetParam(), config);
+    s->attach(models::build_model(model, seed));
+    return s;
+  }
+  const models::ModelConfig tiny_gpt_ = models::preset("gpt-tiny").config;
+};
 
 // A failing property records its shrunk case where the explorer asks (STRATA_FAILURES_FILE).
 bool check_property(const std::string& strategy, const std::string& description,
@@ -83,11 +94,8 @@ TEST_P(Parity, own_models_match_baseline) {
 }
 
 TEST_P(Parity, a_second_attach_is_refused) {
-  StrategyConfig config;
-  config.device = test::device();
-  auto s = Registry::create(GetParam(), config);
-  const auto c = models::preset("gpt-tiny").config;
-  s->attach(models::build_model(c, 1));
+  const auto& c = tiny_gpt_;
+  auto s = attached(c);
   auto batch = models::make_batch(c, 2, 5);
   const double before = s->train_step(batch);
   EXPECT_THAT(test::error_of([&] { s->attach(models::build_model(c, 2)); }), HasSubstr("attach() was already called"));
@@ -98,11 +106,8 @@ TEST_P(Parity, a_second_attach_is_refused) {
 
 TEST_P(Parity, leaves_the_model_usable_for_more_steps) {
   // Ten steps in a row, forward-only in between: the state a step leaves must serve the next.
-  const auto model = models::preset("gpt-tiny").config;
-  StrategyConfig config;
-  config.device = test::device();
-  auto s = Registry::create(GetParam(), config);
-  s->attach(models::build_model(model, 1));
+  const auto& model = tiny_gpt_;
+  auto s = attached(model);
   auto batch = models::make_batch(model, 2, 5);
   const double first = s->train_step(batch);
   s->optimizer_step();
@@ -211,6 +216,29 @@ class NoAccumulation : public Baseline {
   std::vector<torch::Tensor> params_;
 };
 
+// Under AdamW, leaves one parameter (block 1's qkv weight) where it was at every step.
+class SkipsOneAdamwUpdate : public Baseline {
+ public:
+  explicit SkipsOneAdamwUpdate(const StrategyConfig& c) : Baseline("skips_one_update", c, {}), adamw_(c.optimizer.kind == OptimizerKind::adamw) {}
+  void optimizer_step() override {
+    auto before = skipped_.defined() ? skipped_.detach().clone() : torch::Tensor();
+    Baseline::optimizer_step();
+    torch::NoGradGuard no_grad;
+    if (adamw_ && before.defined()) skipped_.copy_(before);
+  }
+
+ protected:
+  void attach_model(models::BlockModel model) override {
+    for (const auto& p : model.parameters())
+      if (p.name == "1.qkv.weight") skipped_ = p.tensor;
+    Baseline::attach_model(std::move(model));
+  }
+
+ private:
+  bool adamw_;
+  torch::Tensor skipped_;
+};
+
 // Right, but every reported value one ulp away from the baseline's: rounding, which must pass.
 class OffByOneUlp : public Baseline {
  public:
@@ -263,6 +291,14 @@ TEST(ParityChecker, catches_a_strategy_that_does_not_accumulate) {
   const auto r = check_with<NoAccumulation>(c);
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.message, HasSubstr("accumulated over two batches"));
+}
+
+TEST(ParityChecker, catches_a_skipped_adamw_update) {
+  ParityCase c;
+  c.model = models::preset("gpt-tiny").config;
+  const auto r = check_with<SkipsOneAdamwUpdate>(c);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.message, HasSubstr("adamw step 0: parameter '1.qkv.weight'"));
 }
 
 TEST(ParityChecker, catches_buffers_updated_twice) {
@@ -366,19 +402,16 @@ namespace {
 // Parity accumulates two batches at its second step for every strategy that says it accumulates;
 // the others must refuse a second train_step with an Error that says why, never train wrongly.
 TEST_P(Parity, gradient_accumulation_is_exact_or_refused) {
-  StrategyConfig config;
-  config.device = test::device();
-  auto s = Registry::create(GetParam(), config);
-  const auto c = models::preset("gpt-tiny").config;
-  s->attach(models::build_model(c, 1));
-  s->train_step(models::make_batch(c, 2, 5));
-  if (s->accumulates_gradients()) {
+  const auto& c = tiny_gpt_;
+  auto s = attached(c);
+  if (s->accumulates_gradients()) {  // the checker accumulates at step 1: a case with two steps
     ParityCase pc;
     pc.model = c;
     pc.steps = 2;
     const auto r = check_parity(GetParam(), pc, test::device());
     EXPECT_TRUE(r.ok) << r.message;
   } else {
+    s->train_step(models::make_batch(c, 2, 5));
     EXPECT_THAT(test::error_of([&] { s->train_step(models::make_batch(c, 2, 6)); }), HasSubstr("optimizer_step"));
   }
 }

@@ -7,6 +7,7 @@
 
 #include "models/check.h"
 #include "models/text.h"
+#include "strategies/distributed/process_group.h"
 
 namespace strata::correctness {
 
@@ -224,12 +225,22 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     // momentum sum; 1 / eps for AdamW, whose update g / (|g| + eps) changes by at most 1 / eps per unit of g), and steps add up.
     const double gain = kind == OptimizerKind::sgd ? 1.0 / (1.0 - config.optimizer.momentum) : 1.0 / config.optimizer.eps;
     std::vector<double> carried, gradient_bounds;
+    // A strategy over several ranks: every rank runs the references itself, and all must take
+    // the same branch (a mismatch seen on one ends the check on all, or the others would wait in
+    // collectives the first never starts).
+    auto settle = [&](std::string msg) {
+      if (strategy->world_size() <= 1) return msg;
+      auto seen = torch::tensor({msg.empty() ? 0.0 : 1.0}, torch::kDouble);
+      distributed::group_for(torch::Device(torch::kCPU))->all_reduce(seen, /*max=*/true).wait();
+      if (seen.item<double>() > 0 && msg.empty()) msg = "another rank found a mismatch";
+      return msg;
+    };
     auto parameters = [](Strategy& s) { return s.parameters(); };
     auto gradients = [](Strategy& s) { return s.gradients(); };
     auto buffers = [](Strategy& s) { return s.buffers(); };
     auto by_block = [&](const NamedTensors& r) { return gradient_scales(structure, r); };
 
-    if (auto msg = compare("initial parameter", parameters, own_scales); !msg.empty()) return fail(0, msg);
+    if (auto msg = settle(compare("initial parameter", parameters, own_scales)); !msg.empty()) return fail(0, msg);
     for (int step = 0; step < c.steps; ++step) {
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
@@ -241,20 +252,25 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         for (auto& b : baselines) base_losses.push_back(as_named("loss", b->train_step(batch)));
         const double actual = strategy->train_step(batch);
         const auto ref_loss = as_named("loss", expected);
-        if (auto msg =
-                compare_to_reference("loss", as_named("loss", actual), base_losses, ref_loss, own_scales(ref_loss));
+        if (auto msg = settle(
+                compare_to_reference("loss", as_named("loss", actual), base_losses, ref_loss, own_scales(ref_loss)));
             !msg.empty())
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
       }
-      if (auto msg = compare("gradient", gradients, by_block, {}, &gradient_bounds); !msg.empty())
+      if (auto msg = settle(compare("gradient", gradients, by_block, {}, &gradient_bounds)); !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);
-      if (auto msg = compare("buffer", buffers, own_scales); !msg.empty()) return fail(step, msg);
+      if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
       reference->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
       strategy->optimizer_step();
       carried.resize(gradient_bounds.size(), 0.0);
-      for (size_t i = 0; i < carried.size(); ++i) carried[i] += config.optimizer.lr * gain * gradient_bounds[i];
-      if (auto msg = compare("parameter", parameters, own_scales, carried); !msg.empty()) return fail(step, msg);
+      for (size_t i = 0; i < carried.size(); ++i) {
+        // An AdamW update is about lr at most whatever the gradient: a gradient error cannot move
+        // it by more, so neither may the allowance (which would hide a skipped update).
+        const double moved = config.optimizer.lr * gain * gradient_bounds[i];
+        carried[i] += kind == OptimizerKind::adamw ? std::min(moved, config.optimizer.lr) : moved;
+      }
+      if (auto msg = settle(compare("parameter", parameters, own_scales, carried)); !msg.empty()) return fail(step, msg);
     }
   }
   return {};

@@ -20,7 +20,7 @@
 // so is its bound. The moved ulp gives each B_k its own rounding pattern, so one lucky run cannot
 // make the bound small. Parameters after optimizer steps get, on top, what the gradients' own
 // allowed errors can move them: lr x gain x (gradient bound) per step, with gain 1 / (1 - momentum)
-// for SGD and 1 / eps for AdamW (whose update g / (|g| + eps) turns a gradient of pure rounding
+// for SGD and 1 / eps for AdamW, at most lr per AdamW step (whose update g / (|g| + eps) turns a gradient of pure rounding
 // noise into a step of up to lr; found by the explorer on a bias before a BatchNorm, where the
 // baselines' noise happened to be 3000 times smaller than a sharded head's). A strategy that is off
 // by one ulp in every element passes (its error is at

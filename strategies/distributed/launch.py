@@ -71,6 +71,13 @@ def main():
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    # Ended itself (a test's timeout, Ctrl-C): end the ranks too, never leave them holding GPUs and ports.
+    def on_signal(signum, frame):
+        end(procs, f"launch.py got signal {signum}")
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     start, status, failed_at = time.time(), 0, None
     while any(p.poll() is None for p in procs):
         now = time.time()

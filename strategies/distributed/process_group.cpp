@@ -8,6 +8,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <atomic>
+#include <future>
+#include <thread>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -149,40 +151,44 @@ class C10dGroup : public Group {
   Work all_gather(const torch::Tensor& out, const torch::Tensor& in) override {
     STRATA_CHECK(out.is_contiguous() && in.is_contiguous() && out.numel() == in.numel() * size_,
                  "all_gather: out has " << out.numel() << " elements, in " << in.numel() << ", world " << size_);
-    before_collective();
     if (backend_ == "nccl") {
-      auto o = out, i = in;
-      return finish("all-gather", impl_->_allgather_base(o, i));
+      return launch("all-gather", [this, o = torch::Tensor(out), i = torch::Tensor(in)]() mutable { return impl_->_allgather_base(o, i); });
     }
-    std::vector<std::vector<torch::Tensor>> outs(1);
-    for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
-    std::vector<torch::Tensor> ins{in};
-    return finish("all-gather", impl_->allgather(outs, ins));
+    return launch("all-gather", [this, out, in] {
+      std::vector<std::vector<torch::Tensor>> outs(1);
+      for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+      std::vector<torch::Tensor> ins{in};
+      return impl_->allgather(outs, ins);
+    });
   }
 
   Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) override {
     STRATA_CHECK(in.is_contiguous() && out.is_contiguous() && in.numel() == out.numel() * size_,
                  "reduce_scatter: in has " << in.numel() << " elements, out " << out.numel() << ", world " << size_);
-    before_collective();
     if (backend_ == "nccl") {
-      auto o = out, i = in;
-      return finish("reduce-scatter", impl_->_reduce_scatter_base(o, i));
+      return launch("reduce-scatter", [this, o = torch::Tensor(out), i = torch::Tensor(in)]() mutable { return impl_->_reduce_scatter_base(o, i); });
     }
     // Gloo in LibTorch 1.13 has no reduce-scatter: all-reduce the whole, keep this rank's slice.
-    std::vector<torch::Tensor> ts{in};
     auto slice = in.narrow(0, rank_ * out.numel(), out.numel());
-    return finish("reduce-scatter", impl_->allreduce(ts), [out, slice]() mutable {
-      torch::NoGradGuard no_grad;
-      out.copy_(slice);
-    });
+    return launch(
+        "reduce-scatter",
+        [this, in] {
+          std::vector<torch::Tensor> ts{in};
+          return impl_->allreduce(ts);
+        },
+        [out, slice]() mutable {
+          torch::NoGradGuard no_grad;
+          out.copy_(slice);
+        });
   }
 
   Work all_reduce(const torch::Tensor& t, bool max) override {
-    before_collective();
-    std::vector<torch::Tensor> ts{t};
-    c10d::AllreduceOptions options;
-    options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
-    return finish("all-reduce", impl_->allreduce(ts, options));
+    return launch("all-reduce", [this, t, max] {
+      std::vector<torch::Tensor> ts{t};
+      c10d::AllreduceOptions options;
+      options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+      return impl_->allreduce(ts, options);
+    });
   }
 
   void agree(const std::string& topic, const std::string& value) override {
@@ -206,18 +212,56 @@ class C10dGroup : public Group {
   }
 
  private:
-  void before_collective() {
-    const auto d = device::injected_delays().collective;
-    if (d.count() > 0) device::Stream::compute(device_).delay(d);
+  using Start = std::function<c10::intrusive_ptr<c10d::Work>()>;
+
+  // Starts a collective; the injected collective delay (device::Delays) holds back the collective
+  // itself, not the caller, so compute that skips its wait really races it. On the CPU every
+  // collective starts from one launcher thread in call order (the order every rank must keep),
+  // after the delay; on a GPU the collective runs behind a side stream that waits for compute and
+  // then for the delay.
+  Work launch(const char* what, Start start, std::function<void()> after = {}) {
+    const auto delay = device::injected_delays().collective;
+    if (device_.is_cpu()) {
+      auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
+      auto started = promise->get_future().share();
+      launcher_.submit([promise, start, delay] {
+        if (delay.count() > 0) std::this_thread::sleep_for(delay);
+        try {
+          promise->set_value(start());
+        } catch (...) {
+          promise->set_exception(std::current_exception());
+        }
+      });
+      return finish(what, [started] { return started.get(); }, std::move(after));
+    }
+    if (delay.count() <= 0) {
+      auto work = start();
+      return finish(what, [work] { return work; }, std::move(after));
+    }
+    if (!side_) side_ = std::make_unique<device::Stream>(device::Stream::side(device_));
+    side_->wait(device::Stream::compute(device_).record());
+    side_->delay(delay);
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      device::Stream::Guard on_side(*side_);
+      work = start();
+    }
+    return finish(what, [work] { return work; }, std::move(after));
   }
 
-  Work finish(const char* what, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) {
+  Work finish(const char* what, std::function<c10::intrusive_ptr<c10d::Work>()> started, std::function<void()> after) {
     auto timeout = timeout_;
     const int rank = rank_, size = size_;
     const std::string backend = backend_;
-    return Work([work, after, timeout, rank, size, backend, what] {
+    return Work([started, after, timeout, rank, size, backend, what] {
       try {
-        work->wait(timeout);
+        auto work = started();
+        // NCCL: wait() without a timeout only makes the current stream wait (the watchdog enforces
+        // the group's timeout); with one it would block the host. Gloo: block, up to the timeout.
+        if (backend == "nccl")
+          work->wait();
+        else
+          work->wait(timeout);
       } catch (const std::exception& e) {
         STRATA_FAIL("distributed: " << what << " on rank " << rank << " of " << size << " (" << backend
                                     << ") failed or timed out after " << timeout.count() / 1000 << " s: " << e.what());
@@ -233,6 +277,8 @@ class C10dGroup : public Group {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<compat::CollectiveBackend> impl_;
   std::map<std::string, int64_t> rounds_;
+  device::HostQueue launcher_;             ///< the CPU's collectives start here, in order
+  std::unique_ptr<device::Stream> side_;   ///< a GPU's delayed collectives run behind it
 };
 
 }  // namespace

@@ -487,16 +487,12 @@ NamedTensors ManualSplit::gradients() {
 }
 
 NamedTensors ManualSplit::parameters() {
-  const auto& params = model().parameters();
-  NamedTensors out;
-  for (size_t p = 0; p < params.size(); ++p) {
-    if (static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_) {
-      std::vector<torch::Tensor> parts;
-      for (auto& s : shards_) parts.push_back((static_cast<int64_t>(p) == head_weight_ ? s.weight : s.bias).detach().cpu());
-      out.emplace_back(params[p].name, torch::cat(parts, 0));
-    } else {
-      out.emplace_back(params[p].name, params[p].tensor.detach().to(torch::kCPU, false, /*copy=*/true));
-    }
+  auto out = host_copies(model().parameters());
+  for (auto p : {head_weight_, head_bias_}) {  // a split head's are its shards, end to end
+    if (p < 0) continue;
+    std::vector<torch::Tensor> parts;
+    for (auto& s : shards_) parts.push_back((p == head_weight_ ? s.weight : s.bias).detach().cpu());
+    out[p].second = torch::cat(parts, 0);
   }
   return out;
 }

@@ -168,22 +168,26 @@ void Sharded::attach_model(models::BlockModel model) {
 }
 
 void Sharded::gather(Unit& unit) {
-  if (unit.references++ > 0) return;
+  if (unit.references > 0) {
+    ++unit.references;
+    return;
+  }
   const int64_t bytes = unit.padded * static_cast<int64_t>(sizeof(float));
+  compat::reallocate_storage(unit.full.storage(), static_cast<size_t>(bytes));
   try {
-    compat::reallocate_storage(unit.full.storage(), static_cast<size_t>(bytes));
+    torch::NoGradGuard no_grad;
+    if (options_.debug_poison) unit.full.fill_(std::numeric_limits<float>::quiet_NaN());
+    auto source = unit.shard;
+    if (options_.offload && !device_.is_cpu()) {
+      source = unit.shard.to(device_, /*non_blocking=*/true);
+      bytes_h2d_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+    }
+    unit.gathering = group_->all_gather(unit.full, source);
   } catch (...) {
-    --unit.references;
+    compat::release_storage(unit.full.storage());
     throw;
   }
-  torch::NoGradGuard no_grad;
-  if (options_.debug_poison) unit.full.fill_(std::numeric_limits<float>::quiet_NaN());
-  auto source = unit.shard;
-  if (options_.offload) {
-    source = unit.shard.to(device_, /*non_blocking=*/true);
-    bytes_h2d_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
-  }
-  unit.gathering = group_->all_gather(unit.full, source);
+  unit.references = 1;  // counted only once the gather is under way
   const auto w = static_cast<double>(world_size());
   count_collective(bytes, (w - 1) / w);
   gathered_bytes_ += bytes;
@@ -200,7 +204,15 @@ void Sharded::release(Unit& unit) {
 
 void Sharded::hold_window(int64_t block) {
   if (held_[block]) return;
-  for (auto u : windows_[block]) gather(units_[u]);
+  const auto& window = windows_[block];
+  for (size_t i = 0; i < window.size(); ++i) {
+    try {
+      gather(units_[window[i]]);
+    } catch (...) {
+      for (size_t j = 0; j < i; ++j) release(units_[window[j]]);  // all of the window or none of it
+      throw;
+    }
+  }
   held_[block] = true;
 }
 
@@ -226,6 +238,7 @@ void Sharded::before_compute(int64_t block, bool backward) {
   prefetch_from(block, backward);  // launched behind this block's gather, overlapping its compute
   if (!options_.debug_skip_waits)
     for (auto u : windows_[block]) units_[u].gathering.wait();
+  device::Stream::compute(device_).compute_point();
 }
 
 void Sharded::after_compute(int64_t block, bool backward) {
@@ -264,7 +277,7 @@ void Sharded::finish_reductions() {
   for (auto& unit : units_) {
     if (!unit.reducing.pending()) continue;
     unit.reducing.wait();
-    if (options_.offload) {
+    if (options_.offload && !device_.is_cpu()) {
       unit.shard_grad.add_(unit.reduced.to(torch::kCPU));
       bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
     } else {
@@ -302,7 +315,16 @@ double Sharded::train_step(const models::Batch& batch) {
     local = loss.item<double>();
   } catch (...) {
     clean_up();
-    for (auto& unit : units_) unit.grad_full = torch::Tensor();
+    // Nothing of a failed step reaches the shards' gradients: reductions already started are
+    // waited for (their buffers are in use) and dropped.
+    for (auto& unit : units_) {
+      try {
+        unit.reducing.wait();
+      } catch (...) {  // the step's own error is the one to report
+      }
+      unit.reduced = torch::Tensor();
+      unit.grad_full = torch::Tensor();
+    }
     throw;
   }
   // The whole batch's mean: every rank's weighted share, summed.
@@ -331,6 +353,9 @@ torch::Tensor Sharded::forward(const torch::Tensor& input) {
 void Sharded::optimizer_step() {
   model();
   finish_reductions();
+  // Offloaded shards were copied to the device without blocking: the host must not write them
+  // before those copies have read them.
+  if (options_.offload) device::synchronize(device_);
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
     if (!unit.has_grad) continue;
