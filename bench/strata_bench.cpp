@@ -407,7 +407,11 @@ int run(int argc, char** argv) {
     preset.name = label_with_options(m, overrides);
     for (const auto& st : s.strategies) {
       Cell cell{st, options_for(s.options, st), "", preset, ++index, total};
-      cell.label = label_with_options(st, cell.options);
+      // Launched over several ranks, the cell's name says how many, as the peers' names do.
+      auto shown = cell.options;
+      if (distributed::environment().launched && distributed::environment().world_size > 1)
+        shown["ranks"] = std::to_string(distributed::environment().world_size);
+      cell.label = label_with_options(st, shown);
       // `s` outlives the run of every registered benchmark (RunSpecifiedBenchmarks below).
       benchmark::RegisterBenchmark((cell.label + "/" + preset.name).c_str(),
                                    [&s, cell](benchmark::State& state) { run_cell(state, s, cell); })

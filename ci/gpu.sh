@@ -21,7 +21,8 @@
 # With two or more GPUs the matrix gains cells over cuda:0 and cuda:1 (manual_split of the GPT;
 # seed 000's BERT with its classifier on the second GPU, at 6M classes and at a count one GPU
 # cannot train; the classifier column-split over both) and the machine's key becomes
-# <gpu>-x<count>, so its baseline and report are its own.
+# <gpu>-x<count>, so its baseline and report are its own; the sharded strategy runs over every GPU
+# as ranks of strategies/distributed/launch.py, beside PyTorch's DDP and FSDP2 under torchrun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 outdir=$(realpath -m "${1:-build/cuda/results}")
@@ -94,6 +95,19 @@ if [ "$gpu_count" -gt 1 ]; then
     cell_files+=("$outdir/bench-2gpu-$tag.json")
     bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} ${cell#*|}"
   done
+  # The sharded strategy over every GPU, one rank each (time: the slowest rank; peak: per rank).
+  echo "ci/gpu.sh: sharded over $gpu_count GPUs"
+  for cell in "sharded|--strategies=sharded,sharded_offload" "sharded-keep|--strategies=sharded --options=activations=keep"; do
+    tag=${cell%%|*}
+    read -r -a cell_args <<< "${cell#*|}"
+    NCCL_NVLS_ENABLE=0 python3 strategies/distributed/launch.py --nproc="$gpu_count" --timeout=1200 -- \
+      ./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} \
+      --models=gpt-871m "${cell_args[@]}" --benchmark_out="$outdir/bench-x$gpu_count-$tag.json" --benchmark_out_format=json \
+      > "$outdir/bench-x$gpu_count-$tag.txt" 2>&1 || status=1
+    grep -E "^\[rank 0\] sharded" "$outdir/bench-x$gpu_count-$tag.txt" | cut -c1-160
+    cell_files+=("$outdir/bench-x$gpu_count-$tag.json")
+    bench_command+="; launch.py --nproc=$gpu_count -- strata_bench --device=cuda:0 --benchmark_repetitions=$reps --models=gpt-871m ${cell#*|}"
+  done
   # One file for the gate: the matrix and the two-GPU cells.
   python3 - "$outdir/bench.json" "${cell_files[@]}" <<'PY'
 import json, sys
@@ -108,6 +122,18 @@ echo "ci/gpu.sh: PyTorch peers"
 # A peer that fails (other than out of memory) or fails its parity check fails the job.
 PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --offload-py="$offload_py" \
   --steps=3 --out="$outdir/peers.json" 2>&1 | tee "$outdir/peers.txt" || { echo "ci/gpu.sh: a peer failed"; status=1; }
+if [ "$gpu_count" -gt 1 ]; then
+  # PyTorch's data-parallel peers (DDP, FSDP2, FSDP2 + CPUOffloadPolicy) over the same GPUs.
+  NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node="$gpu_count" bench/peers.py \
+    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --out="$outdir/peers-x$gpu_count.json" 2>&1 \
+    | tee "$outdir/peers-x$gpu_count.txt" || { echo "ci/gpu.sh: a data-parallel peer failed"; status=1; }
+  python3 - "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" <<'PY' || status=1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
+fi
 
 # The gate: against the committed baseline for this machine. A machine without one fails the job
 # unless STRATA_ALLOW_NO_BASELINE=1, and then the report says the run was not gated.

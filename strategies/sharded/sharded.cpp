@@ -21,6 +21,7 @@ ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& o
   o.recompute = activations == "recompute";
   o.reshard_after_forward = reader.get_bool("reshard_after_forward", o.reshard_after_forward);
   o.offload = reader.get_bool("offload", o.offload);
+  o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.offload);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_fail_rank = reader.get_int("debug_fail_rank", o.debug_fail_rank);
@@ -31,12 +32,14 @@ ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& o
 
 void ShardedOptions::validate() const {
   STRATA_CHECK(prefetch >= 0, "sharded: prefetch=" << prefetch << " must be 0 (gather when needed) or more");
+  STRATA_CHECK(!overlap_optimizer || offload,
+               "sharded: overlap_optimizer=1 applies to the host optimizer of offload=1 (sharded_offload)");
 }
 
 std::string ShardedOptions::to_string() const {
   std::ostringstream out;
   out << "prefetch=" << prefetch << " recompute=" << recompute << " reshard_after_forward=" << reshard_after_forward
-      << " offload=" << offload;
+      << " offload=" << offload << " overlap_optimizer=" << overlap_optimizer;
   return out.str();
 }
 
@@ -54,7 +57,8 @@ struct Sharded::Unit {
   int references = 0;
   distributed::Work gathering;
   torch::Tensor grad_full;      ///< [padded] this step's uses summed, until reduce-scattered
-  torch::Tensor reduced;        ///< [shard] the reduce-scatter's result, until added to shard_grad
+  torch::Tensor reduced;        ///< [shard] the reduce-scatter's result (shard_grad itself on a fresh
+                                ///< device step), until added to shard_grad
   distributed::Work reducing;
   OptimizerState optimizer;
 };
@@ -75,6 +79,10 @@ Sharded::Sharded(std::string name, const StrategyConfig& config, ShardedOptions 
 }
 
 Sharded::~Sharded() {
+  try {
+    if (host_) host_->drain();
+  } catch (...) {  // reported by the step that failed
+  }
   for (auto& unit : units_) {
     try {
       unit.gathering.wait();
@@ -161,6 +169,11 @@ void Sharded::attach_model(models::BlockModel model) {
   }
   // Buffers live on the device, whole on every rank (they are small, and most are fixed).
   for (const auto& b : model.buffers()) b.tensor.set_data(b.tensor.to(device_));
+  if (offload_to_host()) {
+    h2d_.emplace(device::Stream::side(device_));
+    d2h_.emplace(device::Stream::side(device_));
+    host_.emplace();
+  }
   held_.assign(windows_.size(), false);
   kept_.assign(windows_.size(), {});
   anchor_ = torch::empty({0}, dev_options).requires_grad_(true);
@@ -177,12 +190,18 @@ void Sharded::gather(Unit& unit) {
   try {
     torch::NoGradGuard no_grad;
     if (options_.debug_poison) unit.full.fill_(std::numeric_limits<float>::quiet_NaN());
-    auto source = unit.shard;
-    if (options_.offload && !device_.is_cpu()) {
-      source = unit.shard.to(device_, /*non_blocking=*/true);
+    if (offload_to_host()) {
+      // The shard goes up on the copy stream and the gather is launched from it, so both overlap the
+      // block computing now. The copy stream first waits for the compute queued so far: the gathered
+      // buffer was just allocated in the compute stream's order.
+      h2d_->wait(device::Stream::compute(device_).record());
+      device::Stream::Guard on_copy_stream(*h2d_);
+      auto source = unit.shard.to(device_, /*non_blocking=*/true);
       bytes_h2d_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+      unit.gathering = group_->all_gather(unit.full, source);
+    } else {
+      unit.gathering = group_->all_gather(unit.full, unit.shard);
     }
-    unit.gathering = group_->all_gather(unit.full, source);
   } catch (...) {
     compat::release_storage(unit.full.storage());
     throw;
@@ -252,6 +271,9 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
   auto block_params = model().blocks()[block]->parameters();
   for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
   torch::NoGradGuard no_grad;
+  // The reduce-scatters of earlier blocks have had this block's backward to run in: finish them, so
+  // their full-size gradient buffers go before this block's arrive.
+  finish_reductions();
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing to reduce or update
@@ -263,9 +285,12 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
       if (g.defined()) unit.grad_full.narrow(0, param_slot_[p].second, t.numel()).add_(g.reshape({-1}));
     }
     if (--unit.pending_users > 0) continue;  // a shared parameter: its other uses come later in backward
-    // Its last use is done: reduce-scatter now, while the next block's backward runs.
-    unit.reduced = torch::empty({unit.shard_numel}, unit.full.options());
+    // Its last use is done: reduce-scatter now, while the next block's backward runs; on a fresh step
+    // with the shard on the device, straight into its gradient.
+    const bool into_grad = !unit.has_grad && !options_.offload;
+    unit.reduced = into_grad ? unit.shard_grad : torch::empty({unit.shard_numel}, unit.full.options());
     unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
+    reducing_.push_back(static_cast<int64_t>(u));
     const auto w = static_cast<double>(world_size());
     count_collective(unit.padded * static_cast<int64_t>(sizeof(float)),
                      group_->backend() == "nccl" ? (w - 1) / w : 2 * (w - 1) / w);  // Gloo: all-reduce
@@ -273,27 +298,70 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
 }
 
 void Sharded::finish_reductions() {
+  auto units = std::move(reducing_);
+  reducing_.clear();
+  for (auto u : units) finish_reduction(units_[u]);
+}
+
+void Sharded::finish_reduction(Unit& unit) {
   torch::NoGradGuard no_grad;
-  for (auto& unit : units_) {
-    if (!unit.reducing.pending()) continue;
-    unit.reducing.wait();
-    if (options_.offload && !device_.is_cpu()) {
-      unit.shard_grad.add_(unit.reduced.to(torch::kCPU));
-      bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
-    } else {
-      unit.shard_grad.add_(unit.reduced);
+  unit.reducing.wait();  // NCCL: the compute stream waits for it; Gloo: done when this returns
+  unit.grad_full = torch::Tensor();
+  const bool fresh = !unit.has_grad;
+  unit.has_grad = true;
+  if (offload_to_host()) {
+    // Down on the copy stream, straight into the pinned gradient on a fresh step (else into a staging
+    // buffer that the host adds); the host applies the update once it has landed.
+    d2h_->wait(device::Stream::compute(device_).record());
+    auto staging = fresh ? torch::Tensor() : device::host_buffer({unit.shard_numel}, torch::kFloat, device_);
+    d2h_->copy(fresh ? unit.shard_grad : staging, unit.reduced);
+    d2h_->keep_alive(unit.reduced);
+    bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+    host_->submit([this, landed = d2h_->record(), staging, &unit] {
+      landed.synchronize();
+      if (staging.defined()) unit.shard_grad.add_(staging);
+      if (options_.overlap_optimizer) update_shard(unit);
+    });
+  } else {
+    if (!unit.reduced.is_same(unit.shard_grad)) {
+      if (fresh)
+        unit.shard_grad.copy_(unit.reduced);
+      else
+        unit.shard_grad.add_(unit.reduced);
     }
-    unit.has_grad = true;
-    unit.reduced = torch::Tensor();
-    unit.grad_full = torch::Tensor();
+    if (options_.overlap_optimizer) update_shard(unit);
   }
+  unit.reduced = torch::Tensor();
+}
+
+void Sharded::finish_pending() {
+  if (host_) host_->drain();
+  if (d2h_) d2h_->synchronize();
+}
+
+void Sharded::finish_backward() {
+  if (d2h_) d2h_->synchronize();  // every gradient has landed on the host
+  // Without the overlapped optimizer the host queue holds only backward's work (accumulation).
+  if (host_ && !options_.overlap_optimizer) host_->drain();
+}
+
+void Sharded::update_shard(Unit& unit) {
+  if (unit.trainable_in_shard == 0) return;
+  auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
+  auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
+  optimizer_update(config_.optimizer, p, g, unit.optimizer);
 }
 
 double Sharded::train_step(const models::Batch& batch) {
   auto& m = model();
+  STRATA_CHECK(!(options_.overlap_optimizer && step_in_flight_),
+               name_ << ": overlap_optimizer=1 applies each step's gradients during backward, so every train_step "
+                        "must be followed by optimizer_step (gradient accumulation needs overlap_optimizer=0)");
   const auto [lo, hi] = slice_of(batch.size());
+  finish_pending();  // the last step's host updates, before any shard goes up again
   for (auto& unit : units_) unit.pending_users = unit.users;
   step_blocks_ = 0;
+  if (options_.overlap_optimizer) step_in_flight_ = true;
   auto clean_up = [&] {
     for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
     for (auto& kept : kept_) kept = {};
@@ -315,8 +383,10 @@ double Sharded::train_step(const models::Batch& batch) {
     local = loss.item<double>();
   } catch (...) {
     clean_up();
-    // Nothing of a failed step reaches the shards' gradients: reductions already started are
-    // waited for (their buffers are in use) and dropped.
+    // Reductions already started are waited for (their buffers are in use) and dropped; what has
+    // reached the shards' gradients stays (as autograd's .grad would keep it), and a failed step
+    // leaves no step in flight.
+    reducing_.clear();
     for (auto& unit : units_) {
       try {
         unit.reducing.wait();
@@ -325,6 +395,11 @@ double Sharded::train_step(const models::Batch& batch) {
       unit.reduced = torch::Tensor();
       unit.grad_full = torch::Tensor();
     }
+    try {
+      finish_pending();
+    } catch (...) {
+    }
+    step_in_flight_ = false;
     throw;
   }
   // The whole batch's mean: every rank's weighted share, summed.
@@ -337,6 +412,7 @@ double Sharded::train_step(const models::Batch& batch) {
 
 torch::Tensor Sharded::forward(const torch::Tensor& input) {
   auto& m = model();
+  finish_pending();
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
   auto x = input.to(device_);
@@ -353,20 +429,17 @@ torch::Tensor Sharded::forward(const torch::Tensor& input) {
 void Sharded::optimizer_step() {
   model();
   finish_reductions();
-  // Offloaded shards were copied to the device without blocking: the host must not write them
-  // before those copies have read them.
-  if (options_.offload) device::synchronize(device_);
+  finish_pending();
+  // Shards go up to the device without blocking the host: none may still be reading a shard that
+  // the host is about to write.
+  if (h2d_) h2d_->synchronize();
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
     if (!unit.has_grad) continue;
-    if (unit.trainable_in_shard > 0) {
-      auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
-      auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
-      optimizer_update(config_.optimizer, p, g, unit.optimizer);
-    }
-    unit.shard_grad.zero_();
-    unit.has_grad = false;
+    if (!options_.overlap_optimizer) update_shard(unit);  // else applied as the gradient landed
+    unit.has_grad = false;  // the next gradient overwrites shard_grad rather than adding to it
   }
+  step_in_flight_ = false;
 }
 
 torch::Tensor Sharded::gather_full(const Unit& unit, const torch::Tensor& part) {
@@ -378,6 +451,7 @@ torch::Tensor Sharded::gather_full(const Unit& unit, const torch::Tensor& part) 
 NamedTensors Sharded::full_tensors(bool grads) {
   const auto& params = model().parameters();
   finish_reductions();
+  finish_pending();
   std::vector<torch::Tensor> flats(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     const auto& unit = units_[u];

@@ -10,9 +10,15 @@
 // own slice of it, and weighs its loss by its share of the batch's targets, so the result is the
 // whole batch's mean whatever the split.
 //
+// A unit's reduce-scatter is waited for one block later (when the next block's gradients are
+// flushed), so it overlaps that block's backward and its full-size gradient buffer lives only that
+// long; on a fresh step it reduces straight into the shard's gradient.
+//
 // sharded_offload keeps shards, their gradients and the optimizer state in pinned host memory and
-// steps the optimizer there (the ZeRO-Offload / FSDP CPUOffloadPolicy arrangement); a shard is
-// copied to the device just before its gather.
+// steps the optimizer there (the ZeRO-Offload / FSDP CPUOffloadPolicy arrangement). On CUDA a shard
+// is copied to the device on a copy stream just before its gather (overlapping the block computing),
+// a reduced gradient goes back on another, and, by default (overlap_optimizer=1), the host updates
+// each unit as soon as its gradient has landed, while backward goes on.
 #include <optional>
 
 #include "strategies/device/device.h"
@@ -27,6 +33,8 @@ struct ShardedOptions {
   bool recompute = true;               ///< activations=recompute (default) or keep
   bool reshard_after_forward = true;   ///< free gathered units after forward (gather again in backward)
   bool offload = false;                ///< shards, gradients and optimizer state in pinned host memory
+  bool overlap_optimizer = false;      ///< offload: update each unit on the host during backward
+                                       ///< (default with offload; refuses gradient accumulation)
   bool debug_poison = false;           ///< fill every gathered buffer with NaN first (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for gathers: a deliberate bug (tests)
   int64_t debug_fail_rank = -1;        ///< this rank throws in the second block's forward (fault tests)
@@ -48,6 +56,8 @@ class Sharded : public Strategy, public WindowedRunner {
   NamedTensors gradients() override;
   NamedTensors parameters() override;
   NamedTensors buffers() override;
+  bool accumulates_gradients() const override { return !options_.overlap_optimizer; }
+  void finish_backward() override;
   Stats stats() override;
   void reset_stats() override;
 
@@ -76,7 +86,14 @@ class Sharded : public Strategy, public WindowedRunner {
   void hold_window(int64_t block);
   void drop_window(int64_t block);
   void prefetch_from(int64_t block, bool backward);
+  /// Waits for the reduce-scatters launched so far and adds each result to its shard's gradient
+  /// (offload on CUDA: sends it to the host, where it is added and, with overlap_optimizer, applied).
   void finish_reductions();
+  void finish_reduction(Unit& unit);
+  /// Everything queued on the host and the copy streams (offload) has run.
+  void finish_pending();
+  void update_shard(Unit& unit);
+  bool offload_to_host() const { return options_.offload && !device_.is_cpu(); }
   /// A full tensor assembled from every rank's slice `part` of `unit` (a shard or its gradient).
   torch::Tensor gather_full(const Unit& unit, const torch::Tensor& part);
   NamedTensors full_tensors(bool grads);
@@ -94,6 +111,10 @@ class Sharded : public Strategy, public WindowedRunner {
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset in the flat)
   std::vector<KeptGraph> kept_;
   torch::Tensor anchor_;
+  std::vector<int64_t> reducing_;            ///< units whose reduce-scatter is in flight, in launch order
+  std::optional<device::Stream> h2d_, d2h_;  ///< offload on CUDA: shards up, gradients down
+  std::optional<device::HostQueue> host_;    ///< offload on CUDA: landed gradients added and applied
+  bool step_in_flight_ = false;              ///< overlap_optimizer: a train_step awaits optimizer_step
   bool backward_ = false;
   int64_t step_blocks_ = 0;  ///< blocks computed in this forward (debug_fail_rank)
   int64_t gathered_bytes_ = 0, peak_gathered_ = 0, shard_bytes_ = 0;
