@@ -157,7 +157,8 @@ void Sharded::attach_model(models::BlockModel model) {
       if (unit.trainable_numel > 0) unit.shard_grad = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).zero_();
     } else {
       unit.shard = mine.to(device_, /*non_blocking=*/false, /*copy=*/true);
-      if (unit.trainable_numel > 0) unit.shard_grad = torch::zeros({unit.shard_numel}, dev_options);
+      // shard_grad: allocated by the step's first reduction, freed by the optimizer step (as
+      // zero_grad(set_to_none) does), so forward and the start of backward run without it.
     }
     shard_bytes_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
     unit.full = torch::empty({unit.padded}, dev_options);
@@ -288,6 +289,7 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
     // Its last use is done: reduce-scatter now, while the next block's backward runs; on a fresh step
     // with the shard on the device, straight into its gradient.
     const bool into_grad = !unit.has_grad && !options_.offload;
+    if (into_grad) unit.shard_grad = torch::empty({unit.shard_numel}, unit.full.options());
     unit.reduced = into_grad ? unit.shard_grad : torch::empty({unit.shard_numel}, unit.full.options());
     unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
     reducing_.push_back(static_cast<int64_t>(u));
@@ -438,6 +440,7 @@ void Sharded::optimizer_step() {
     if (!unit.has_grad) continue;
     if (!options_.overlap_optimizer) update_shard(unit);  // else applied as the gradient landed
     unit.has_grad = false;  // the next gradient overwrites shard_grad rather than adding to it
+    if (!options_.offload) unit.shard_grad = torch::Tensor();  // its device memory is free until then
   }
   step_in_flight_ = false;
 }
