@@ -32,6 +32,9 @@ inline correctness::ParityResult check_before_timing(const std::string& strategy
   correctness::ParityCase small;
   small.model = parity_model_for(config);
   small.options = options;
+  // A pipeline's micro-batches need a sample each.
+  if (auto m = options.find("micro_batches"); m != options.end())
+    small.batch_size = std::max<int64_t>(small.batch_size, std::stoll(m->second));
   return correctness::check_parity(strategy, small, device);
 }
 

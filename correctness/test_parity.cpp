@@ -7,6 +7,7 @@
 #include <rapidcheck.h>
 
 #include <cmath>
+#include <regex>
 
 #include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
@@ -82,7 +83,12 @@ const std::vector<std::string> kOwnModels = {
 };
 
 TEST_P(Parity, own_models_match_baseline) {
-  for (const auto& spec : kOwnModels) {
+  // BatchNorm over a micro-batch computes other statistics than over the batch, by design: a
+  // strategy that splits the batch into micro-batches runs these models without it.
+  const auto traits = strategy_traits().find(GetParam());
+  const bool micro_batched = traits != strategy_traits().end() && traits->second.micro_batches;
+  for (auto spec : kOwnModels) {
+    if (micro_batched) spec = std::regex_replace(spec, std::regex("bn,"), "");
     ParityCase c;
     c.chain = ChainSpec::parse(spec);
     c.batch_size = 4;

@@ -40,6 +40,14 @@ BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>
   return out;
 }
 
+torch::Tensor input_gradient(const KeptGraph& graph, const std::vector<torch::Tensor>& grad_out) {
+  if (!graph.output.is_valid() || !graph.input.requires_grad()) return {};
+  auto grads = torch::autograd::Engine::get_default_engine().execute(
+      {graph.output}, grad_out, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false,
+      {torch::autograd::impl::gradient_edge(graph.input)});
+  return grads[0];
+}
+
 std::vector<torch::Tensor> snapshot_buffers(models::Block& block) {
   std::vector<torch::Tensor> out;
   for (const auto& b : block.buffers()) out.push_back(b.detach().clone());

@@ -32,6 +32,11 @@ struct BlockGradients {
 /// `grad_out`, returned rather than accumulated into .grad. Consumes the graph.
 BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out);
 
+/// The gradient of a kept graph's input alone for `grad_out`, keeping the graph for the parameters'
+/// gradients later (block_gradients with the same grad_out): a zero-bubble schedule's input-gradient
+/// step. Undefined for an input that needs none or an output that depends on nothing that trains.
+torch::Tensor input_gradient(const KeptGraph& graph, const std::vector<torch::Tensor>& grad_out);
+
 /// block(x), recomputed in backward. Gradients reach `block`'s parameters through autograd
 /// (so a tied parameter sums the gradients of all its uses, as without checkpointing).
 torch::Tensor checkpointed_forward(models::Block& block, const torch::Tensor& x);

@@ -161,6 +161,51 @@ rc::Gen<Options> sharded_options(const ModelShape&, const std::vector<std::strin
       uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>());
 }
 
+// pipeline: 1 to 3 ranks on the test's devices (the stages a model of `blocks` can fill), 1 to 5
+// micro-batches (more than the ranks, as many, or fewer), for interleaved 1 to 3 stages per rank
+// and micro-batches a multiple of the ranks; balance automatic or drawn; replicas of shared
+// parameters forced on one device in some cases, so the swap runs where the CPU can test it.
+OptionsGenerator pipeline_options(bool interleaved) {
+  return [interleaved](const ModelShape& shape, const std::vector<std::string>& devices) {
+    const int64_t blocks = shape.blocks;
+    return rc::gen::mapcat(uniform<int64_t>(1, std::min<int64_t>(3, blocks) + 1), [=](int64_t ranks) {
+      const int64_t max_v = interleaved ? std::max<int64_t>(1, std::min<int64_t>(3, blocks / ranks)) : 1;
+      return rc::gen::mapcat(uniform<int64_t>(1, max_v + 1), [=](int64_t v) {
+        return rc::gen::apply(
+            [=](int64_t micro, std::vector<int64_t> cuts, bool automatic, bool replicate) {
+              Options o;
+              std::string devs;
+              for (int64_t r = 0; r < ranks; ++r) devs += (r ? "," : "") + devices[static_cast<size_t>(r) % devices.size()];
+              o["devices"] = devs;
+              o["micro_batches"] = std::to_string(interleaved ? micro * ranks : micro);
+              if (interleaved) o["virtual_stages"] = std::to_string(v);
+              o["replicate_tied"] = replicate ? "1" : "0";
+              const int64_t stages = ranks * v;
+              // stages - 1 distinct cut points in 1..blocks-1; where fewer come out distinct, automatic.
+              std::sort(cuts.begin(), cuts.end());
+              cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+              if (!automatic && static_cast<int64_t>(cuts.size()) == stages - 1) {
+                std::string balance;
+                int64_t prev = 0;
+                for (auto c : cuts) {
+                  balance += std::to_string(c - prev) + ",";
+                  prev = c;
+                }
+                o["balance"] = balance + std::to_string(blocks - prev);
+              }
+              return o;
+            },
+            uniform<int64_t>(1, interleaved ? 3 : 6),
+            rc::gen::container<std::vector<int64_t>>(static_cast<size_t>(ranks * v - 1),
+                                                     uniform<int64_t>(1, std::max<int64_t>(2, blocks))),
+            rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>());
+      });
+    });
+  };
+}
+
+int pipeline_micro_batches(const Options& o) { return std::stoi(o.at("micro_batches")); }
+
 }  // namespace
 
 const std::map<std::string, StrategyTraits>& strategy_traits() {
@@ -171,6 +216,10 @@ const std::map<std::string, StrategyTraits>& strategy_traits() {
       {"manual_split", {manual_split_options, {}}},
       {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},
       {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},
+      {"pipeline_gpipe", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
+      {"pipeline_1f1b", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
+      {"pipeline_interleaved", {pipeline_options(true), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
+      {"pipeline_zero_bubble", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
   };
   return all;
 }
@@ -198,16 +247,19 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
     int min_batch = base.chain && base.chain->has("bn") ? 4 : 1;
     // Data parallel: at least one sample per rank; the draws above it make uneven splits.
     if (traits.data_parallel) min_batch = std::max(min_batch, distributed::environment().world_size);
-    return rc::gen::apply(
-        [base](int batch, unsigned seed, bool ignore, Options opts) {
-          ParityCase c = base;
-          c.batch_size = batch;
-          c.seed = seed;
-          c.ignore_targets = ignore;
-          c.options = std::move(opts);
-          return c;
-        },
-        uniform(min_batch, min_batch + 5), uniform(0u, 1000u), rc::gen::arbitrary<bool>(), options);
+    return rc::gen::mapcat(options, [base, traits, min_batch](Options opts) {
+      const int least = traits.micro_batches ? std::max(min_batch, traits.micro_batches(opts)) : min_batch;
+      return rc::gen::apply(
+          [base, opts](int batch, unsigned seed, bool ignore) {
+            ParityCase c = base;
+            c.batch_size = batch;
+            c.seed = seed;
+            c.ignore_targets = ignore;
+            c.options = opts;
+            return c;
+          },
+          uniform(least, least + 5), uniform(0u, 1000u), rc::gen::arbitrary<bool>());
+    });
   });
 }
 

@@ -48,6 +48,9 @@ struct StrategyTraits {
   ChainLimits chain;
   /// Runs one slice of the batch per rank: batches of at least the world size, no BatchNorm.
   bool data_parallel = false;
+  /// Splits the batch into micro-batches (a pipeline): their count under the drawn options, the
+  /// least batch those options accept. Unset for a strategy that runs the batch whole.
+  std::function<int(const Options&)> micro_batches;
 };
 /// Strategy name -> its traits; a strategy with options or limits adds itself here.
 const std::map<std::string, StrategyTraits>& strategy_traits();

@@ -1,0 +1,204 @@
+// The pipeline strategies beyond the registry's parity properties: refusals that name both numbers,
+// activations in flight per stage (1F1B's bound against GPipe's m), replicas of a shared parameter
+// in sync after steps, parity under injected delays on one rank's compute and on the transport, a
+// stage that throws ending the step on every rank with its error, and uneven micro-batches.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include "correctness/support/errors.h"
+#include "correctness/support/parity.h"
+#include "correctness/support/test_device.h"
+#include "models/check.h"
+#include "strategies/device/device.h"
+#include "strategies/pipeline/pipeline.h"
+
+namespace strata {
+namespace {
+
+using ::testing::HasSubstr;
+using test::error_of;
+
+std::string devices(int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) out += (i ? "," : "") + test::device().str();
+  return out;
+}
+
+std::unique_ptr<Pipeline> make_pipeline(const std::map<std::string, std::string>& options) {
+  StrategyConfig c;
+  c.device = test::device();
+  return std::make_unique<Pipeline>("pipeline", c, PipelineOptions::parse(options));
+}
+
+models::ModelConfig gpt(int64_t depth, bool tied) {
+  auto c = models::preset("gpt-tiny").config;
+  c.depth = depth;
+  c.tied = tied;
+  return c;
+}
+
+TEST(Pipeline, refusals_name_the_numbers) {
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "zigzag"}}); }), HasSubstr("schedule='zigzag'"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"micro_batches", "-1"}}); }), HasSubstr("micro_batches=-1"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"virtual_stages", "2"}}); }), HasSubstr("virtual_stages=2 needs schedule=interleaved"));
+  const auto model = gpt(2, true);  // 4 blocks
+  auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "4"}});
+  p->attach(models::build_model(model, 0));
+  EXPECT_THAT(error_of([&] { p->train_step(models::make_batch(model, 3, 1)); }),
+              HasSubstr("a batch of 3 samples cannot be split into 4 micro-batches"));
+  auto q = make_pipeline({{"devices", devices(3)}, {"schedule", "interleaved"}, {"micro_batches", "3"},
+                          {"virtual_stages", "2"}});
+  EXPECT_THAT(error_of([&] { q->attach(models::build_model(model, 0)); }), HasSubstr("6 stages (3 ranks x 2 virtual stages)"));
+  auto r = make_pipeline({{"devices", devices(2)}, {"schedule", "interleaved"}, {"micro_batches", "3"},
+                          {"virtual_stages", "2"}});
+  EXPECT_THAT(error_of([&] { r->attach(models::build_model(model, 0)); }), HasSubstr("m=3 micro-batches is not a multiple of p=2"));
+  auto b = make_pipeline({{"devices", devices(2)}, {"balance", "1,1"}});
+  EXPECT_THAT(error_of([&] { b->attach(models::build_model(model, 0)); }), HasSubstr("balance 1,1 must give 2 stages"));
+}
+
+// 1F1B keeps at most p - s micro-batches of activations on stage s, GPipe all m of them; counted as
+// the kept graphs of micro-batches whose backward has not run.
+TEST(Pipeline, one_f_one_b_holds_fewer_micro_batches_than_gpipe) {
+  const auto model = gpt(4, false);  // 6 blocks: 3 stages of 2
+  const auto batch = models::make_batch(model, 8, 3);
+  for (const auto& [schedule, expected] :
+       std::vector<std::pair<std::string, std::vector<int>>>{{"gpipe", {8, 8, 8}}, {"1f1b", {3, 2, 1}}, {"zb-h1", {3, 3, 3}}}) {
+    auto p = make_pipeline({{"devices", devices(3)}, {"micro_batches", "8"}, {"schedule", schedule}});
+    p->attach(models::build_model(model, 0));
+    p->train_step(batch);
+    // ZB-H1 defers weight gradients: a micro-batch stays until its W, at most p per stage.
+    if (schedule == "zb-h1") {
+      for (auto k : p->peak_in_flight()) EXPECT_LE(k, 3) << schedule;
+    } else {
+      EXPECT_EQ(p->peak_in_flight(), expected) << schedule;
+    }
+  }
+}
+
+TEST(Pipeline, replicas_of_a_shared_parameter_stay_in_sync) {
+  const auto model = gpt(2, true);
+  auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "2"}, {"replicate_tied", "1"}});
+  p->attach(models::build_model(model, 0));
+  for (int step = 0; step < 3; ++step) {
+    p->train_step(models::make_batch(model, 4, step));
+    p->optimizer_step();
+    EXPECT_EQ(p->max_replica_drift(), 0.0) << "after step " << step;
+  }
+}
+
+// Delays on rank 0's compute and on every message (before its event) change when stages run; the
+// results must not change. Every schedule, the tied GPT, uneven micro-batches (5 over 2).
+TEST(Pipeline, delays_on_one_rank_and_on_the_transport_keep_parity) {
+  device::ScopedDelays delays({/*copy=*/std::chrono::microseconds(3000), /*compute=*/std::chrono::microseconds(5000),
+                               /*collective=*/std::chrono::microseconds(0)});
+  for (const std::string name : {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_zero_bubble"}) {
+    correctness::ParityCase c;
+    c.model = gpt(2, true);
+    c.batch_size = 5;
+    c.steps = 2;
+    c.options = {{"devices", devices(2)}, {"micro_batches", "2"}, {"replicate_tied", "1"}};
+    if (name == "pipeline_interleaved") c.options["virtual_stages"] = "2";
+    const auto r = correctness::check_parity(name, c, test::device());
+    EXPECT_TRUE(r.ok) << name << ": " << r.message;
+  }
+}
+
+// The same delays without the receivers' waits: on CUDA a stage then reads activations and
+// gradients before they are written, and the checker must see it (so the test above can fail).
+// On the CPU a message is complete when it is sent, and parity holds without the wait.
+TEST(Pipeline, without_the_waits_the_delays_break_parity_on_cuda) {
+  device::ScopedDelays delays({std::chrono::microseconds(20000), std::chrono::microseconds(20000),
+                               std::chrono::microseconds(0)});
+  correctness::ParityCase c;
+  c.model = gpt(2, false);
+  c.batch_size = 4;
+  c.steps = 1;
+  c.options = {{"devices", devices(2)}, {"micro_batches", "2"}, {"debug_skip_waits", "1"}};
+  const auto r = correctness::check_parity("pipeline_1f1b", c, test::device());
+  if (test::device().is_cuda())
+    EXPECT_FALSE(r.ok) << "the missing waits went unnoticed";
+  else
+    EXPECT_TRUE(r.ok) << r.message;
+}
+
+// A block that throws on its n-th forward call.
+class Failing : public models::Block {
+ public:
+  explicit Failing(int64_t width) : lin_(register_module("lin", torch::nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) override {
+    if (fail_after >= 0 && calls++ >= fail_after) throw Error("failure injected in a stage");
+    return lin_->forward(x);
+  }
+  std::atomic<int> calls{0};
+  int fail_after = -1;
+
+ private:
+  torch::nn::Linear lin_;
+};
+
+class Head : public models::Block {
+ public:
+  Head(int64_t width, int64_t classes) : lin_(register_module("lin", torch::nn::Linear(width, classes))) {}
+  torch::Tensor forward(const torch::Tensor& x) override { return lin_->forward(x); }
+
+ private:
+  torch::nn::Linear lin_;
+};
+
+TEST(Pipeline, a_stage_that_throws_ends_the_step_with_its_error) {
+  models::ModelConfig config;
+  config.kind = models::ModelKind::mlp;
+  config.in_features = 4;
+  config.classes = 3;
+  auto failing = std::make_shared<Failing>(4);
+  std::vector<std::shared_ptr<models::Block>> blocks{std::make_shared<Failing>(4), failing, std::make_shared<Head>(4, 3)};
+  models::BlockModel model(config, blocks);
+  models::Batch batch{torch::randn({6, 4}), torch::randint(0, 3, {6}, torch::kLong)};
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    auto p = make_pipeline({{"devices", devices(3)}, {"micro_batches", "3"}, {"schedule", schedule}});
+    failing->calls = 0;
+    failing->fail_after = 1;  // the second micro-batch's forward on stage 1
+    p->attach(models::BlockModel(config, blocks));
+    const auto message = error_of([&] { p->train_step(batch); });
+    EXPECT_THAT(message, HasSubstr("failure injected in a stage")) << schedule;
+    EXPECT_THAT(message, HasSubstr("rank 1")) << schedule;
+    // The strategy stays usable once the block behaves.
+    failing->fail_after = -1;
+    EXPECT_NO_THROW(p->train_step(batch)) << schedule;
+  }
+}
+
+// The loss of a step is the whole batch's mean whatever the split: 7 samples over 3 micro-batches.
+TEST(Pipeline, uneven_micro_batches_give_the_batch_mean) {
+  const auto model = gpt(2, false);
+  const auto batch = models::make_batch(model, 7, 9);
+  auto reference = models::build_model(model, 0);
+  torch::Tensor x = batch.input;
+  for (auto& b : reference.blocks()) x = b->forward(x);
+  const double expected = reference.loss(x, batch.target).item<double>();
+  auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "3"}});
+  p->attach(models::build_model(model, 0));
+  EXPECT_NEAR(p->train_step(batch), expected, 1e-5 * std::abs(expected));
+}
+
+// Stages on two GPUs: activations and gradients cross devices between streams, the tied embedding
+// and head live on different devices (home and replica, swapped under a lock).
+TEST(MultiGpu, pipeline_over_two_devices_matches_the_baseline) {
+  for (const std::string name : {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_zero_bubble"}) {
+    for (bool tied : {true, false}) {
+      correctness::ParityCase c;
+      c.model = gpt(3, tied);
+      c.batch_size = 6;
+      c.steps = 3;
+      c.options = {{"devices", "cuda:0,cuda:1"}, {"micro_batches", "4"}};
+      if (name == "pipeline_interleaved") c.options["virtual_stages"] = "2";
+      const auto r = correctness::check_parity(name, c, torch::Device("cuda:0"));
+      EXPECT_TRUE(r.ok) << name << " tied=" << tied << ": " << r.message;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata

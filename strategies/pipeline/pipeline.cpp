@@ -1,0 +1,601 @@
+#include "strategies/pipeline/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <tuple>
+
+#include "models/check.h"
+#include "strategies/device/device.h"
+#include "strategies/manual_split/manual_split.h"
+#include "strategies/options.h"
+
+namespace strata {
+namespace {
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream out;
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  return out.str();
+}
+
+void accumulate(torch::Tensor& sum, const torch::Tensor& part) {
+  if (!part.defined()) return;
+  if (!sum.defined())
+    sum = part.detach().clone();
+  else
+    sum.add_(part.to(sum.device()));
+}
+
+/// How long a stage waits for a message before the step fails (a schedule the validator accepted
+/// cannot stall; this catches a stage that died without saying so).
+std::chrono::seconds receive_timeout() {
+  const char* s = std::getenv("STRATA_DIST_TIMEOUT_S");
+  return std::chrono::seconds(s ? std::max(1, std::atoi(s)) : 300);
+}
+
+}  // namespace
+
+PipelineOptions PipelineOptions::parse(const std::map<std::string, std::string>& options) {
+  OptionReader reader("pipeline", options);
+  PipelineOptions o;
+  o.schedule = reader.get_string("schedule", o.schedule);
+  o.devices = reader.get_strings("devices", o.devices);
+  o.ranks = reader.get_int("ranks", o.ranks);
+  o.virtual_stages = reader.get_int("virtual_stages", o.virtual_stages);
+  o.micro_batches = reader.get_int("micro_batches", o.micro_batches);
+  const auto balance = reader.get_string("balance", "auto");
+  if (balance != "auto") o.balance = reader.get_ints("balance", {});
+  o.replicate_tied = reader.get_bool("replicate_tied", o.replicate_tied);
+  o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
+  reader.finish();
+  o.validate();
+  return o;
+}
+
+void PipelineOptions::validate() const {
+  STRATA_CHECK(schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved" || schedule == "zb-h1",
+               "pipeline: schedule='" << schedule << "' is not valid; use gpipe, 1f1b, interleaved or zb-h1");
+  STRATA_CHECK(ranks >= 0, "pipeline: ranks=" << ranks << " must not be negative");
+  STRATA_CHECK(virtual_stages >= 0, "pipeline: virtual_stages=" << virtual_stages << " must not be negative");
+  STRATA_CHECK(virtual_stages <= 1 || schedule == "interleaved",
+               "pipeline: virtual_stages=" << virtual_stages << " needs schedule=interleaved, not " << schedule);
+  STRATA_CHECK(micro_batches >= 0,
+               "pipeline: micro_batches=" << micro_batches << " must be at least 1 (or 0: two per rank)");
+  for (size_t i = 0; i < balance.size(); ++i)
+    STRATA_CHECK(balance[i] >= 1, "pipeline: balance " << join(balance) << " has an empty stage (stage " << i
+                                                       << " gets " << balance[i] << " blocks)");
+  for (const auto& d : devices) {
+    try {
+      device::parse(d);
+    } catch (const Error& e) {
+      STRATA_FAIL("pipeline: " << e.what());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One train_step's state, shared by the rank threads.
+
+struct Message {
+  torch::Tensor tensor;  ///< undefined: no gradient flows here (nothing upstream trains)
+  device::Event ready;   ///< recorded on the sender's stream after the tensor was produced
+};
+
+struct Pipeline::Run {
+  // The transport: messages by (is gradient, receiving stage, micro-batch).
+  using Key = std::tuple<bool, int, int>;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::map<Key, Message> mailbox;
+  std::string failure;  ///< the first error of any rank; the others stop at their next receive
+  bool failed = false;
+
+  std::vector<torch::Tensor> inputs, targets;  ///< micro-batches, on the host
+  double target_count = 1;
+  std::vector<torch::Device> stage_device;
+  std::vector<device::Stream> rank_stream;
+  // Per stage (touched by the owning rank's thread only): per micro-batch, each block's kept graph
+  // and, once its input gradient is taken (I), the gradient its output got (for W).
+  struct Micro {
+    std::vector<KeptGraph> graphs;
+    std::vector<torch::Tensor> grad_outs;
+    torch::Tensor loss_grad;  ///< last stage: the gradient of the loss at the stage's output
+  };
+  std::vector<std::vector<Micro>> micro;
+  std::vector<std::vector<torch::Tensor>> stage_grads;  ///< stage -> parameter -> sum over its micro-batches
+  std::vector<int> in_flight, peak;
+  std::vector<torch::Tensor> losses;  ///< per micro-batch, on the last stage's device
+  std::vector<int64_t> bytes;         ///< per rank: interconnect bytes received
+
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!failed) {
+      failed = true;
+      failure = what;
+    }
+    changed.notify_all();
+  }
+  void send(bool grad, int stage, int micro_batch, Message m) {
+    std::lock_guard<std::mutex> lock(mutex);
+    mailbox[{grad, stage, micro_batch}] = std::move(m);
+    changed.notify_all();
+  }
+  Message receive(bool grad, int stage, int micro_batch) {
+    std::unique_lock<std::mutex> lock(mutex);
+    const Key key{grad, stage, micro_batch};
+    const auto timeout = receive_timeout();
+    const bool arrived = changed.wait_for(lock, timeout, [&] { return failed || mailbox.count(key) > 0; });
+    if (failed) throw Error("pipeline: stopped because another stage failed");
+    STRATA_CHECK(arrived, "pipeline: stage " << stage << " waited " << timeout.count() << " s for the "
+                                             << (grad ? "gradient" : "activation") << " of micro-batch "
+                                             << micro_batch << " (STRATA_DIST_TIMEOUT_S)");
+    auto m = std::move(mailbox[key]);
+    mailbox.erase(key);
+    return m;
+  }
+};
+
+// While alive, the replicated parameters of a block hold the stage's replica data; every block using
+// a replicated parameter holds its lock, so no other stage reads or swaps it meanwhile.
+class Pipeline::Swap {
+ public:
+  Swap(Pipeline& p, int64_t stage, int64_t block) : p_(p) {
+    auto& params = p.model().parameters();
+    std::vector<int64_t> mine;
+    for (auto i : p.block_params_[block])
+      if (p.locked_[i] && std::find(mine.begin(), mine.end(), i) == mine.end()) mine.push_back(i);
+    std::sort(mine.begin(), mine.end());  // one order for all: no deadlock
+    for (auto i : mine) locks_.emplace_back(*p.locks_[i]);
+    for (const auto& r : p.replicas_[stage]) {
+      if (std::find(mine.begin(), mine.end(), r.param) == mine.end()) continue;
+      auto& t = params[r.param].tensor;
+      swapped_.push_back({t, t.data()});
+      t.set_data(r.value);
+    }
+  }
+  ~Swap() {
+    for (auto& [t, home] : swapped_) t.set_data(home);
+  }
+  Swap(const Swap&) = delete;
+  Swap& operator=(const Swap&) = delete;
+
+ private:
+  Pipeline& p_;
+  std::vector<std::unique_lock<std::mutex>> locks_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> swapped_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+Pipeline::Pipeline(std::string name, const StrategyConfig& config, PipelineOptions options)
+    : name_(std::move(name)), config_(config), options_(std::move(options)) {
+  device::check_available(config_.device);
+}
+
+models::BlockModel& Pipeline::model() {
+  STRATA_CHECK(model_.has_value(), name_ << ": attach() a model first");
+  return *model_;
+}
+
+torch::Device Pipeline::device_of_stage(int64_t stage) const {
+  return rank_devices_[static_cast<size_t>(schedule_.rank_of(static_cast<int>(stage)))];
+}
+
+int64_t Pipeline::micro_batches_for(int64_t n) const {
+  const auto p = static_cast<int64_t>(rank_devices_.size());
+  const bool interleaved = options_.schedule == "interleaved";
+  if (options_.micro_batches > 0) {
+    STRATA_CHECK(n >= options_.micro_batches, name_ << ": a batch of " << n << " samples cannot be split into "
+                                                    << options_.micro_batches
+                                                    << " micro-batches; give at least one sample per micro-batch or "
+                                                       "lower micro_batches");
+    return options_.micro_batches;
+  }
+  if (!interleaved) return std::min(2 * p, n);
+  STRATA_CHECK(n >= p, name_ << ": a batch of " << n << " samples cannot be split into a multiple of the " << p
+                             << " ranks' micro-batches (interleaved 1F1B sends them in groups of the ranks)");
+  return std::min(2 * p, n / p * p);
+}
+
+void Pipeline::build_schedule(int64_t micro_batches) {
+  if (!schedule_.actions.empty() && schedule_.micro_batches == micro_batches) return;
+  const int p = static_cast<int>(rank_devices_.size()), m = static_cast<int>(micro_batches);
+  const int64_t v = virtual_stages_;
+  if (options_.schedule == "gpipe")
+    schedule_ = pipeline::gpipe(p, m);
+  else if (options_.schedule == "1f1b")
+    schedule_ = pipeline::one_f_one_b(p, m);
+  else if (options_.schedule == "interleaved")
+    schedule_ = pipeline::interleaved_1f1b(p, m, static_cast<int>(v));
+  else
+    schedule_ = pipeline::zero_bubble_h1(p, m);
+  pipeline::validate(schedule_);
+}
+
+void Pipeline::attach_model(models::BlockModel model) {
+  const auto n = model.num_blocks();
+  // Ranks: the options' devices, else the config's, else `ranks` copies of the main device.
+  std::vector<torch::Device> devices;
+  if (!options_.devices.empty()) {
+    for (const auto& d : options_.devices) devices.push_back(device::parse(d));
+  } else if (!config_.devices.empty() && options_.ranks == 0) {
+    devices = config_.devices;
+  } else {
+    const int64_t r = options_.ranks > 0 ? options_.ranks : std::min<int64_t>(2, n);
+    devices.assign(static_cast<size_t>(r), config_.device);
+  }
+  for (const auto& d : devices) device::check_available(d);
+  const int64_t p = static_cast<int64_t>(devices.size());
+  const int64_t v = options_.virtual_stages > 0                ? options_.virtual_stages
+                    : options_.schedule != "interleaved"         ? 1
+                                                                 : std::clamp<int64_t>(n / p, 1, 2);
+  const int64_t stages = p * v;
+  STRATA_CHECK(stages <= n, name_ << ": " << stages << " stages (" << p << " ranks x " << v
+                                  << " virtual stages) need at least as many blocks; the model has " << n);
+  if (!options_.balance.empty())
+    STRATA_CHECK(static_cast<int64_t>(options_.balance.size()) == stages &&
+                     std::accumulate(options_.balance.begin(), options_.balance.end(), int64_t{0}) == n,
+                 name_ << ": balance " << join(options_.balance) << " must give " << stages << " stages (" << p
+                       << " ranks x " << v << ") blocks summing to the model's " << n);
+  rank_devices_ = devices;
+  virtual_stages_ = v;
+  schedule_ = {};
+  build_schedule(options_.micro_batches > 0 ? options_.micro_batches : 2 * p);
+
+  const auto& params = model.parameters();
+  // Each block's parameters, in its parameters() order, as canonical indices.
+  std::map<const void*, int64_t> index_of;
+  for (size_t i = 0; i < params.size(); ++i) index_of[params[i].tensor.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
+  block_params_.assign(static_cast<size_t>(n), {});
+  std::vector<double> weights(static_cast<size_t>(n), 0.0);
+  for (int64_t b = 0; b < n; ++b)
+    for (const auto& t : model.blocks()[b]->parameters()) {
+      block_params_[b].push_back(index_of.at(t.unsafeGetTensorImpl()));
+      weights[b] += static_cast<double>(t.numel());
+    }
+  balance_ = options_.balance.empty() ? ManualSplit::partition(weights, stages) : options_.balance;
+  first_block_.assign(1, 0);
+  for (auto k : balance_) first_block_.push_back(first_block_.back() + k);
+  std::vector<int64_t> stage_of(static_cast<size_t>(n));
+  for (int64_t s = 0; s < stages; ++s)
+    for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) stage_of[b] = s;
+
+  // Home stage of each parameter: its first user. Replicas where another user computes elsewhere.
+  home_stage_.assign(params.size(), -1);
+  replicas_.assign(static_cast<size_t>(stages), {});
+  locked_.assign(params.size(), false);
+  locks_.clear();
+  for (size_t i = 0; i < params.size(); ++i) locks_.push_back(std::make_unique<std::mutex>());
+  for (int64_t b = 0; b < n; ++b)
+    for (auto i : block_params_[b])
+      if (home_stage_[i] < 0) home_stage_[i] = stage_of[b];
+  // Buffers move with their block; one shared by blocks on two devices has no single place.
+  std::vector<int64_t> buffer_stage(model.buffers().size(), -1);
+  for (int64_t b = 0; b < n; ++b)
+    for (auto k : model.block_buffers()[b]) {
+      const auto s = stage_of[b];
+      if (buffer_stage[k] >= 0)
+        STRATA_CHECK(device_of_stage(buffer_stage[k]) == device_of_stage(s),
+                     name_ << ": buffer '" << model.buffers()[k].name << "' is used by stages on "
+                           << device_of_stage(buffer_stage[k]) << " and " << device_of_stage(s)
+                           << "; a pipeline cannot place a shared buffer on both");
+      else
+        buffer_stage[k] = s;
+    }
+  // Move: parameters to their home device, buffers to their stage's.
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& t = params[i].tensor;
+      if (home_stage_[i] >= 0) t.set_data(t.data().to(device_of_stage(home_stage_[i])));
+    }
+    for (size_t k = 0; k < buffer_stage.size(); ++k) {
+      auto& t = model.buffers()[k].tensor;
+      if (buffer_stage[k] >= 0) t.set_data(t.data().to(device_of_stage(buffer_stage[k])));
+    }
+    for (int64_t s = 0; s < stages; ++s) {
+      std::vector<int64_t> seen;
+      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
+        for (auto i : block_params_[b]) {
+          if (home_stage_[i] == s || std::find(seen.begin(), seen.end(), i) != seen.end()) continue;
+          seen.push_back(i);
+          const bool other_device = device_of_stage(home_stage_[i]) != device_of_stage(s);
+          if (!other_device && !options_.replicate_tied) continue;  // same values, same device: share
+          auto value = params[i].tensor.detach().to(device_of_stage(s), /*non_blocking=*/false, /*copy=*/true);
+          value.requires_grad_(params[i].tensor.requires_grad());
+          replicas_[s].push_back({i, value});
+          locked_[i] = true;
+        }
+    }
+  }
+  grads_.assign(params.size(), torch::Tensor());
+  optimizer_state_.assign(params.size(), OptimizerState{});
+  peak_in_flight_.assign(static_cast<size_t>(stages), 0);
+  model_.emplace(std::move(model));
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void Pipeline::run_action(Run& run, const pipeline::Action& a) {
+  auto& m = model();
+  const int s = a.stage, i = a.micro;
+  const int last = schedule_.num_stages() - 1;
+  const auto dev = run.stage_device[s];
+  auto& stream = run.rank_stream[schedule_.rank_of(s)];
+  auto& state = run.micro[s][i];
+  // The sender moves a tensor to the receiving stage's device on its own stream (the copy then
+  // runs on the source device, in the order of the work that produced it) and records an event;
+  // the receiver's stream waits for that event only, and marks the tensor in use by its stream.
+  auto take = [&](bool grad) {
+    auto msg = run.receive(grad, s, i);
+    if (!msg.tensor.defined()) return torch::Tensor();
+    if (!options_.debug_skip_waits) stream.wait(msg.ready);
+    stream.keep_alive(msg.tensor);
+    return msg.tensor;
+  };
+  auto give = [&](bool grad, int to, torch::Tensor t) {
+    const auto& target = run.stage_device[to];
+    if (t.defined() && t.device() != target) {
+      run.bytes[schedule_.rank_of(s)] += t.nbytes();
+      t = t.to(target, /*non_blocking=*/true);
+    }
+    const auto delay = device::injected_delays().copy;
+    if (delay.count() > 0) stream.delay(delay);  // a slow link: the receiver must wait for the event
+    run.send(grad, to, i, Message{t, stream.record()});
+  };
+  auto add_grads = [&](int64_t block, const std::vector<torch::Tensor>& g) {
+    for (size_t k = 0; k < g.size(); ++k) {
+      if (!g[k].defined()) continue;
+      auto& sum = run.stage_grads[s][block_params_[block][k]];
+      if (!sum.defined())
+        sum = g[k];
+      else
+        sum = sum + g[k];
+    }
+  };
+
+  if (a.op == pipeline::Op::F) {
+    auto x = s == 0 ? run.inputs[i].to(dev) : take(false);
+    if (schedule_.rank_of(s) == 0) stream.compute_point();  // one rank's compute slowed (tests)
+    for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
+      Swap swap(*this, s, b);
+      auto [y, graph] = run_keeping_graph(*m.blocks()[b], x);
+      state.graphs.push_back(std::move(graph));
+      x = y;
+    }
+    if (s == last) {
+      auto out = x.detach().requires_grad_(x.is_floating_point());
+      auto loss = m.loss_sum(out, run.targets[i].to(dev)) / run.target_count;
+      loss.backward();
+      state.loss_grad = out.grad();
+      run.losses[i] = loss.detach();
+    } else {
+      give(false, s + 1, x);
+    }
+    run.peak[s] = std::max(run.peak[s], ++run.in_flight[s]);
+    return;
+  }
+
+  const int64_t first = first_block_[s], count = first_block_[s + 1] - first;
+  if (a.op == pipeline::Op::B || a.op == pipeline::Op::I) {
+    auto g = s == last ? state.loss_grad : take(true);
+    if (schedule_.rank_of(s) == 0) stream.compute_point();
+    const bool split = a.op == pipeline::Op::I;
+    if (split) state.grad_outs.assign(static_cast<size_t>(count), torch::Tensor());
+    for (int64_t k = count - 1; k >= 0; --k) {
+      const int64_t b = first + k;
+      auto& graph = state.graphs[static_cast<size_t>(k)];
+      if (!g.defined() || !graph.output.is_valid()) {  // nothing here trains or needs a gradient
+        graph = KeptGraph{};
+        g = torch::Tensor();
+        continue;
+      }
+      Swap swap(*this, s, b);
+      if (split) {
+        state.grad_outs[static_cast<size_t>(k)] = g;
+        g = input_gradient(graph, {g});
+      } else {
+        auto r = block_gradients(std::move(graph), {g});
+        add_grads(b, r.params);
+        g = r.input;
+      }
+    }
+    if (s > 0) give(true, s - 1, g);
+    if (!split) {
+      state = Run::Micro{};
+      --run.in_flight[s];
+    }
+    return;
+  }
+
+  // W: the weight gradients from the graphs that I kept and the output gradients it saw.
+  for (int64_t k = 0; k < count; ++k) {
+    auto& graph = state.graphs[static_cast<size_t>(k)];
+    const auto& g = state.grad_outs.empty() ? torch::Tensor() : state.grad_outs[static_cast<size_t>(k)];
+    if (!g.defined() || !graph.output.is_valid()) continue;
+    Swap swap(*this, s, first + k);
+    add_grads(first + k, block_gradients(std::move(graph), {g}).params);
+  }
+  state = Run::Micro{};
+  --run.in_flight[s];
+}
+
+void Pipeline::run_rank(Run& run, int rank) {
+  const auto dev = rank_devices_[static_cast<size_t>(rank)];
+  c10::OptionalDeviceGuard on_device;
+  if (dev.is_cuda()) on_device.reset_device(dev);
+  device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(rank)]);
+  const auto& actions = schedule_.actions[static_cast<size_t>(rank)];
+  for (size_t k = 0; k < actions.size(); ++k) {
+    try {
+      run_action(run, actions[k]);
+    } catch (const std::exception& e) {
+      std::ostringstream what;
+      what << "rank " << rank << " (" << dev << "), action " << k << " '"
+           << pipeline::token(actions[k], schedule_.virtual_stages > 1) << "': " << e.what();
+      run.fail(what.str());
+      return;
+    }
+  }
+}
+
+double Pipeline::train_step(const models::Batch& batch) {
+  auto& m = model();
+  const int64_t n = batch.input.size(0), mb = micro_batches_for(n);
+  build_schedule(mb);
+  const int stages = schedule_.num_stages();
+  Run run;
+  run.target_count = static_cast<double>(models::BlockModel::count_targets(batch.target));
+  for (int64_t i = 0; i < mb; ++i) {  // sizes differ by at most one: the first n % mb get one more
+    const int64_t lo = n * i / mb, hi = n * (i + 1) / mb;
+    run.inputs.push_back(batch.input.narrow(0, lo, hi - lo));
+    run.targets.push_back(batch.target.narrow(0, lo, hi - lo));
+  }
+  bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
+  for (int s = 0; s < stages; ++s) run.stage_device.push_back(device_of_stage(s));
+  for (const auto& d : rank_devices_)
+    run.rank_stream.push_back(d.is_cuda() ? device::Stream::side(d) : device::Stream::compute(d));
+  run.micro.assign(static_cast<size_t>(stages), std::vector<Run::Micro>(static_cast<size_t>(mb)));
+  run.stage_grads.assign(static_cast<size_t>(stages), std::vector<torch::Tensor>(m.parameters().size()));
+  run.in_flight.assign(static_cast<size_t>(stages), 0);
+  run.peak.assign(static_cast<size_t>(stages), 0);
+  run.losses.assign(static_cast<size_t>(mb), torch::Tensor());
+  run.bytes.assign(rank_devices_.size(), 0);
+  // Each rank's stream starts after the work queued so far (the last step's updates).
+  for (size_t r = 0; r < rank_devices_.size(); ++r)
+    if (rank_devices_[r].is_cuda()) run.rank_stream[r].wait(device::Stream::compute(rank_devices_[r]).record());
+
+  std::vector<std::thread> threads;
+  for (int r = 0; r < schedule_.ranks; ++r) threads.emplace_back([this, &run, r] { run_rank(run, r); });
+  for (auto& t : threads) t.join();
+  for (const auto& d : rank_devices_) device::synchronize(d);
+  if (run.failed) throw Error(name_ + ": " + run.failure);
+
+  for (auto b : run.bytes) bytes_interconnect_ += b;
+  peak_in_flight_ = run.peak;
+  // Each parameter's gradient: the sum over the stages that used it, on its home device.
+  torch::NoGradGuard no_grad;
+  const auto& params = m.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].tensor.requires_grad()) continue;
+    for (int s = 0; s < stages; ++s) {
+      const auto& g = run.stage_grads[static_cast<size_t>(s)][i];
+      if (!g.defined()) continue;
+      if (g.device() != params[i].tensor.device()) bytes_interconnect_ += g.nbytes();
+      accumulate(grads_[i], g.to(params[i].tensor.device()));
+    }
+  }
+  double loss = 0;
+  for (const auto& l : run.losses) loss += l.item<double>();
+  return loss;
+}
+
+torch::Tensor Pipeline::forward(const torch::Tensor& input) {
+  auto& m = model();
+  torch::NoGradGuard no_grad;
+  bytes_h2d_ += input.nbytes();
+  auto x = input;
+  for (int s = 0; s < schedule_.num_stages(); ++s) {
+    x = x.to(device_of_stage(s));
+    for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
+      Swap swap(*this, s, b);
+      x = m.blocks()[b]->forward(x);
+    }
+  }
+  return x;
+}
+
+void Pipeline::optimizer_step() {
+  auto& params = model().parameters();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads_[i].defined()) continue;
+    auto t = params[i].tensor.data();
+    optimizer_update(config_.optimizer, t, grads_[i], optimizer_state_[i]);
+    grads_[i] = torch::Tensor();
+  }
+  // Replicas take their home's new values.
+  for (auto& stage : replicas_)
+    for (auto& r : stage) {
+      const auto& home = params[r.param].tensor;
+      if (home.device() != r.value.device()) bytes_interconnect_ += home.nbytes();
+      r.value.detach().copy_(home.detach());
+    }
+  for (const auto& d : rank_devices_) device::synchronize(d);
+}
+
+double Pipeline::max_replica_drift() {
+  auto& params = model().parameters();
+  double drift = 0;
+  for (auto& stage : replicas_)
+    for (auto& r : stage)
+      drift = std::max(drift, (r.value.detach().cpu() - params[r.param].tensor.detach().cpu()).abs().max().item<double>());
+  return drift;
+}
+
+NamedTensors Pipeline::gradients() {
+  const auto& params = model().parameters();
+  NamedTensors out;
+  for (size_t i = 0; i < params.size(); ++i)
+    out.emplace_back(params[i].name, grads_[i].defined() ? grads_[i].detach().cpu().clone()
+                                                         : torch::zeros(params[i].tensor.sizes()));
+  return out;
+}
+
+NamedTensors Pipeline::parameters() { return host_copies(model().parameters()); }
+NamedTensors Pipeline::buffers() { return host_copies(model().buffers()); }
+
+Stats Pipeline::stats() {
+  Stats s;
+  s.bytes_h2d = bytes_h2d_;
+  s.bytes_interconnect = bytes_interconnect_;
+  const auto& params = model().parameters();
+  for (const auto& d : rank_devices_) {
+    auto& mem = s.devices[d.str()];
+    const auto alloc = device::allocator_stats(d);
+    mem.peak_allocated = alloc.peak_allocated;
+    mem.peak_reserved = alloc.peak_reserved;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& mem = s.devices[params[i].tensor.device().str()];
+    mem.resident_param_bytes += params[i].tensor.nbytes();
+  }
+  for (const auto& stage : replicas_)
+    for (const auto& r : stage) s.devices[r.value.device().str()].resident_param_bytes += r.value.nbytes();
+  for (auto& [name, mem] : s.devices) mem.peak_param_bytes = mem.resident_param_bytes;
+  return s;
+}
+
+void Pipeline::reset_stats() {
+  bytes_h2d_ = bytes_interconnect_ = 0;
+  for (const auto& d : rank_devices_) device::reset_peak_stats(d);
+}
+
+namespace {
+std::unique_ptr<Strategy> make(const std::string& name, const std::string& schedule, const StrategyConfig& c) {
+  auto options = c.options;
+  STRATA_CHECK(!options.count("schedule") || options.at("schedule") == schedule,
+               name << ": option schedule='" << options.at("schedule") << "' contradicts the strategy's own ("
+                    << schedule << "); pick the strategy of that schedule");
+  options["schedule"] = schedule;
+  return std::make_unique<Pipeline>(name, c, PipelineOptions::parse(options));
+}
+}  // namespace
+
+STRATA_REGISTER_STRATEGY("pipeline_gpipe", "pipeline parallel, GPipe: every micro-batch's forward, then every backward",
+                         [](const StrategyConfig& c) { return make("pipeline_gpipe", "gpipe", c); });
+STRATA_REGISTER_STRATEGY("pipeline_1f1b", "pipeline parallel, 1F1B: one forward, one backward once the pipe is full",
+                         [](const StrategyConfig& c) { return make("pipeline_1f1b", "1f1b", c); });
+STRATA_REGISTER_STRATEGY("pipeline_interleaved",
+                         "pipeline parallel, interleaved 1F1B: virtual_stages stages per device (default 2)",
+                         [](const StrategyConfig& c) { return make("pipeline_interleaved", "interleaved", c); });
+STRATA_REGISTER_STRATEGY("pipeline_zero_bubble",
+                         "pipeline parallel, ZB-H1: backward split into input and weight gradients, weights deferred",
+                         [](const StrategyConfig& c) { return make("pipeline_zero_bubble", "zb-h1", c); });
+
+}  // namespace strata

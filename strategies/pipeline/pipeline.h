@@ -1,0 +1,108 @@
+#pragma once
+// Pipeline parallel, in one process: the model's blocks cut into p x v contiguous stages, stage s on
+// rank s % p (strategies/pipeline/schedule.h), each rank a device of its own (or a device repeated,
+// or the CPU) with one worker thread and, on CUDA, one stream. Each train_step splits the batch into
+// micro-batches and has every rank run its list of the schedule's actions in order; activations and
+// their gradients pass between stages through a transport (here: in-process mailboxes, with an event
+// per message so a receiving stream waits only for what it reads). One executor runs every schedule:
+// GPipe, 1F1B, interleaved 1F1B and ZB-H1 differ only in their action lists.
+//
+// A stage keeps each block's own autograd graph from its forward to its backward (no
+// recomputation) and takes gradients from it explicitly (strategies/checkpoint.h), so B, I (input
+// gradient, sent on at once) and W (weight gradients, later) are the same calls with different
+// wanted edges. Micro-batch losses are sums over their targets divided by the whole batch's target
+// count, so they add up to the batch's mean for any split, uneven ones included.
+//
+// A parameter used by stages on different devices (the GPT's tied embedding and head) lives in its
+// home stage (its first user) and has a replica on each other device that uses it; a block using
+// it runs with the replica's data swapped in under a lock the parameter's other users take too, its
+// gradients are summed into the home before the step and the replicas re-synced after it.
+#include <mutex>
+#include <optional>
+
+#include "strategies/checkpoint.h"
+#include "strategies/pipeline/schedule.h"
+#include "strategies/strategy.h"
+
+namespace strata {
+
+struct PipelineOptions {
+  std::string schedule = "1f1b";       ///< gpipe | 1f1b | interleaved | zb-h1
+  std::vector<std::string> devices;    ///< one per rank; empty: the config's devices, else `ranks` x main device
+  int64_t ranks = 0;                   ///< ranks on the main device when no devices are given (0: 2, or fewer blocks)
+  int64_t virtual_stages = 0;          ///< stages per rank; 0: 2 for interleaved, else 1
+  int64_t micro_batches = 0;           ///< per train_step (the batch must hold this many samples); 0: 2 per
+                                       ///< rank, fewer for a smaller batch (a multiple of the ranks when interleaved)
+  std::vector<int64_t> balance;        ///< blocks per stage (ranks x virtual_stages entries); empty: by parameter bytes
+  bool replicate_tied = false;         ///< replicas of shared parameters even where the devices agree (tests the swap)
+  bool debug_skip_waits = false;       ///< a receiver does not wait for the sender's event: a deliberate bug (tests)
+
+  static PipelineOptions parse(const std::map<std::string, std::string>& options);
+  void validate() const;
+};
+
+class Pipeline : public Strategy {
+ public:
+  Pipeline(std::string name, const StrategyConfig& config, PipelineOptions options);
+
+  std::string name() const override { return name_; }
+  double train_step(const models::Batch& batch) override;
+  torch::Tensor forward(const torch::Tensor& input) override;
+  void optimizer_step() override;
+  NamedTensors gradients() override;
+  NamedTensors parameters() override;
+  NamedTensors buffers() override;
+  Stats stats() override;
+  void reset_stats() override;
+
+  /// The schedule of the last train_step (at attach: the one for micro_batches, or 2 per rank).
+  const pipeline::Schedule& schedule() const { return schedule_; }
+  /// The micro-batches a batch of `batch` samples is split into; an Error names both numbers if
+  /// the batch cannot hold them.
+  int64_t micro_batches_for(int64_t batch) const;
+  /// Blocks per stage as resolved at attach().
+  const std::vector<int64_t>& balance() const { return balance_; }
+  /// Per stage: the most micro-batches whose forward was done and whose backward (W when split)
+  /// was not, in the last train_step: the activations the stage held, counted as graphs kept.
+  const std::vector<int>& peak_in_flight() const { return peak_in_flight_; }
+  /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
+  double max_replica_drift();
+
+ protected:
+  void attach_model(models::BlockModel model) override;
+
+ private:
+  struct Replica {
+    int64_t param;
+    torch::Tensor value;  ///< leaf on the stage's device, the home's values after each step
+  };
+  struct Run;  // one train_step's state, shared by the rank threads
+  class Swap;
+
+  models::BlockModel& model();
+  torch::Device device_of_stage(int64_t stage) const;
+  void build_schedule(int64_t micro_batches);
+  void run_rank(Run& run, int rank);
+  void run_action(Run& run, const pipeline::Action& action);
+
+  std::string name_;
+  StrategyConfig config_;
+  PipelineOptions options_;
+  std::optional<models::BlockModel> model_;
+  pipeline::Schedule schedule_;
+  std::vector<torch::Device> rank_devices_;
+  int64_t virtual_stages_ = 1;
+  std::vector<int64_t> balance_;
+  std::vector<int64_t> first_block_;                    ///< stage -> its first block (stages + 1 entries)
+  std::vector<std::vector<int64_t>> block_params_;      ///< block -> model().parameters() index per block parameter
+  std::vector<int64_t> home_stage_;                     ///< parameter -> stage holding its home copy
+  std::vector<std::vector<Replica>> replicas_;          ///< stage -> the replicas it computes with
+  std::vector<bool> locked_;                            ///< parameter -> replicated somewhere: users take its lock
+  std::vector<std::unique_ptr<std::mutex>> locks_;      ///< parameter -> its lock (replicated ones)
+  std::vector<torch::Tensor> grads_;                    ///< parameter -> summed gradient on the home device
+  std::vector<OptimizerState> optimizer_state_;
+  std::vector<int> peak_in_flight_;
+  int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
+};
+
+}  // namespace strata
