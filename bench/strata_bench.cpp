@@ -166,6 +166,7 @@ struct Live {
   int repetitions_done = 0;
   Outcome setup = Outcome::ok;  ///< how building and warming up ended
   std::string setup_error;
+  int64_t allocated_at_start = 0;  ///< device bytes allocated before the strategy was built
 };
 std::map<std::string, Live> g_live;
 
@@ -198,6 +199,12 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     if (live.parity.ok) {
       try {
         device::release_cached_memory(dev);  // what the previous cell cached is not this one's
+        // What is still allocated now is no cell's: an earlier cell left it, and it counts in this
+        // cell's peak. Shown, so a leak is seen where it starts rather than as later cells' growth.
+        live.allocated_at_start = device::allocator_stats(dev).allocated;
+        if (live.allocated_at_start > (1 << 20))
+          log("warning: " + std::to_string(live.allocated_at_start >> 20) + " MiB still allocated on " + dev.str() +
+              " before this cell began (left by an earlier cell); it counts in this cell's peak");
         StrategyConfig config;
         config.device = dev;
         config.optimizer.kind = settings.optimizer;
@@ -290,6 +297,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["fwd_bwd_ms"] = fb_ms / steps;
     state.counters["optimizer_ms"] = opt_ms / steps;
     state.counters["peak_allocated_bytes"] = static_cast<double>(peaks.allocated);
+    state.counters["allocated_at_start_bytes"] = static_cast<double>(live.allocated_at_start);
     state.counters["peak_reserved_bytes"] = static_cast<double>(peaks.reserved);
     state.counters["peak_param_bytes"] = static_cast<double>(peaks.params);
     state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;

@@ -183,6 +183,41 @@ TEST(Pipeline, uneven_micro_batches_give_the_batch_mean) {
   EXPECT_NEAR(p->train_step(batch), expected, 1e-5 * std::abs(expected));
 }
 
+// Steps leave the device's allocated memory where they found it. On CUDA, cuBLAS keeps a workspace
+// (32 MiB on Hopper) for every stream a matmul ran on, for the life of the process: an executor
+// that took a fresh stream each step would grow by that much a step until the stream pool cycles,
+// and every later measurement would carry it. The control half shows the measurement sees such
+// growth. On the CPU there are no allocator statistics, and only the steps' running is checked.
+TEST(Pipeline, steps_leave_allocated_memory_steady) {
+  const auto dev = test::device();
+  device::release_cached_memory(dev);
+  const auto model = gpt(2, true);
+  const auto batch = models::make_batch(model, 4, 3);
+  for (const std::string schedule : {"1f1b", "zb-h1"}) {
+    auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "2"}, {"schedule", schedule}});
+    p->attach(models::build_model(model, 0));
+    auto step = [&] {
+      p->train_step(batch);
+      p->optimizer_step();
+      device::synchronize(dev);
+      return device::allocator_stats(dev).allocated;
+    };
+    step();
+    const auto settled = step();  // optimizer state exists from the first step on
+    for (int k = 0; k < 4; ++k) EXPECT_EQ(step(), settled) << schedule << ", step " << k + 3;
+  }
+  if (!dev.is_cuda()) return;
+  const auto before = device::allocator_stats(dev).allocated;
+  auto a = torch::randn({64, 64}, torch::TensorOptions().device(dev));
+  for (int k = 0; k < 3; ++k) {  // the failure mode: a matmul on a fresh stream each time
+    auto fresh = device::Stream::side(dev);
+    device::Stream::Guard on(fresh);
+    (void)torch::mm(a, a);
+    fresh.synchronize();
+  }
+  EXPECT_GT(device::allocator_stats(dev).allocated, before + a.nbytes()) << "the control's growth went unseen";
+}
+
 // Stages on two GPUs: activations and gradients cross devices between streams, the tied embedding
 // and head live on different devices (home and replica, swapped under a lock).
 TEST(MultiGpu, pipeline_over_two_devices_matches_the_baseline) {

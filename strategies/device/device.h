@@ -38,8 +38,9 @@ struct AllocatorStats {
 };
 AllocatorStats allocator_stats(const torch::Device& device);
 void reset_peak_stats(const torch::Device& device);
-/// Returns cached, unused device memory to the driver, so the next measurement of reserved bytes
-/// starts from what is really in use (no-op on CPU).
+/// Waits for the device, drops cuBLAS's per-stream workspaces and returns cached, unused device
+/// memory to the driver, so the next measurement of allocated and reserved bytes starts from what
+/// is really in use (no-op on CPU). Only between measurements: no work may be in flight.
 void release_cached_memory(const torch::Device& device);
 
 /// Delays injected into every queued copy and at every compute point a strategy marks, to expose

@@ -95,6 +95,10 @@ void cuda_reset_peak_stats(const torch::Device& device) {
 void cuda_release_cached_memory(const torch::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();
+  // cuBLAS keeps a workspace (32 MiB on Hopper) for every handle and stream that ran a matmul, in
+  // allocated memory, for the life of the process: without this, one measurement's streams would
+  // count in every later measurement's allocated bytes and peak.
+  at::cuda::clearCublasWorkspaces();
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 

@@ -243,6 +243,8 @@ void Pipeline::attach_model(models::BlockModel model) {
                  name_ << ": balance " << join(options_.balance) << " must give " << stages << " stages (" << p
                        << " ranks x " << v << ") blocks summing to the model's " << n);
   rank_devices_ = devices;
+  rank_streams_.clear();
+  for (const auto& d : devices) rank_streams_.push_back(d.is_cuda() ? device::Stream::side(d) : device::Stream::compute(d));
   virtual_stages_ = v;
   schedule_ = {};
   build_schedule(options_.micro_batches > 0 ? options_.micro_batches : 2 * p);
@@ -369,10 +371,11 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
       x = y;
     }
     if (s == last) {
+      // The loss's gradient with respect to the last stage's output, taken directly (no leaf's
+      // .grad to accumulate into, so nothing crosses from the engine back to another stream).
       auto out = x.detach().requires_grad_(x.is_floating_point());
       auto loss = m.loss_sum(out, run.targets[i].to(dev)) / run.target_count;
-      loss.backward();
-      state.loss_grad = out.grad();
+      if (out.requires_grad()) state.loss_grad = torch::autograd::grad({loss}, {out})[0];
       run.losses[i] = loss.detach();
     } else {
       give(false, s + 1, x);
@@ -458,8 +461,7 @@ double Pipeline::train_step(const models::Batch& batch) {
   }
   bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
   for (int s = 0; s < stages; ++s) run.stage_device.push_back(device_of_stage(s));
-  for (const auto& d : rank_devices_)
-    run.rank_stream.push_back(d.is_cuda() ? device::Stream::side(d) : device::Stream::compute(d));
+  run.rank_stream = rank_streams_;
   run.micro.assign(static_cast<size_t>(stages), std::vector<Run::Micro>(static_cast<size_t>(mb)));
   run.stage_grads.assign(static_cast<size_t>(stages), std::vector<torch::Tensor>(m.parameters().size()));
   run.in_flight.assign(static_cast<size_t>(stages), 0);
