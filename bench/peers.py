@@ -12,10 +12,13 @@ result).
 
 Under torchrun with several ranks it runs the data-parallel peers instead — DDP, FSDP2
 (fully_shard per block and on the root) and FSDP2 with CPUOffloadPolicy — one GPU per rank, each
-first checked on gpt-tiny against one process on the whole batch.
+first checked on gpt-tiny against one process on the whole batch; with --peers=torch_pp_gpipe,
+torch_pp_1f1b,torch_pp_interleaved,torch_pp_zbv, torch.distributed.pipelining's schedules over the
+ranks (the whole batch in --micro-batches), checked the same way.
 
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --out=peers-x2.json
+  torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --peers=torch_pp_1f1b --micro-batches=8 --out=pp.json
 """
 import argparse
 import importlib.util
@@ -290,6 +293,15 @@ def build_distributed_peer(kind, c, dev, local):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def reference_gradients(c, dev):
+    """The batch, and one process's gradients on all of it (the model from torch.manual_seed(0))."""
+    idx, target = batch(c, dev)
+    torch.manual_seed(0)
+    ref = GPT(c, checkpoint=False).to(dev)
+    F.cross_entropy(ref(idx).reshape(-1, c["vocab"]), target.reshape(-1)).backward()
+    return idx, target, {n: p.grad.detach().float().cpu() for n, p in ref.named_parameters()}
+
+
 def distributed_parity(kind, dev, local, rank, world):
     """Every rank runs its slice of a global batch of 2 x world on gpt-tiny; the peer's full
     gradients (all-reduced by DDP, gathered from FSDP2's shards) must equal one process's on the
@@ -298,11 +310,7 @@ def distributed_parity(kind, dev, local, rank, world):
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        idx, target = batch(c, dev)
-        torch.manual_seed(0)
-        ref = GPT(c, checkpoint=False).to(dev)
-        F.cross_entropy(ref(idx).reshape(-1, c["vocab"]), target.reshape(-1)).backward()
-        expected = {n: p.grad.detach().float().cpu() for n, p in ref.named_parameters()}
+        idx, target, expected = reference_gradients(c, dev)
         model, _ = build_distributed_peer(kind, c, dev, local)
         mine = slice(rank * 2, rank * 2 + 2)
         out = model(idx[mine])
@@ -317,6 +325,152 @@ def distributed_parity(kind, dev, local, rank, world):
         return worst < 1e-4, worst
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# torch.distributed.pipelining's schedules, one pipeline rank per process. Stage k of S holds an
+# even share of the blocks, the embedding on stage 0 and the head on stage S-1 with its own copy of
+# the tied weight; the two copies' gradients are summed over the ranks before the step (torch
+# leaves tied weights across stages to the user). Placement: stage k on rank k % world, except
+# ZBV's V (rank r holds stages r and 2*world-1-r).
+PIPELINES = {"torch_pp_gpipe": ("ScheduleGPipe", 1), "torch_pp_1f1b": ("Schedule1F1B", 1),
+             "torch_pp_interleaved": ("ScheduleInterleaved1F1B", 2), "torch_pp_zbv": ("ScheduleZBVZeroBubble", 2)}
+
+
+class StageModule(nn.Module):
+    def __init__(self, embedding, blocks, head):
+        super().__init__()
+        self.embedding, self.blocks, self.head = embedding, nn.ModuleList(blocks), head
+
+    def forward(self, x):
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x) if self.head is not None else x
+
+
+def build_pipeline_peer(kind, c, dev, rank, world, n_micro, total_tokens):
+    """This rank's stage modules (from a model initialised like the reference), their names in the
+    reference model, the schedule, and the tied copies' holders."""
+    import inspect
+    import torch.distributed.pipelining as pp
+    cls_name, per_rank = PIPELINES[kind]
+    n_stages = world * per_rank
+    if kind == "torch_pp_zbv":
+        mine = [rank, 2 * world - 1 - rank]
+    else:
+        mine = [k for k in range(n_stages) if k % world == rank]
+    torch.manual_seed(0)
+    full_model = GPT(c, checkpoint=False)
+    counts = [c["depth"] // n_stages + (1 if k < c["depth"] % n_stages else 0) for k in range(n_stages)]
+    starts = [sum(counts[:k]) for k in range(n_stages)]
+    modules, names, stages = [], [], []
+    for k in mine:
+        emb = full_model.embedding if k == 0 else None
+        head = None
+        if k == n_stages - 1:
+            head = Head(c["width"], nn.Parameter(full_model.embedding.tokens.detach().clone()))
+            head.norm.load_state_dict(full_model.head.norm.state_dict())
+        blocks = [full_model.blocks[starts[k] + j] for j in range(counts[k])]
+        m = StageModule(emb, blocks, head).to(dev)
+        ref_names = {}
+        for n, _ in m.named_parameters():
+            if n.startswith("blocks."):
+                j, rest = n.split(".", 2)[1:]
+                ref_names[n] = f"blocks.{starts[k] + int(j)}.{rest}"
+            elif n == "head.weight":
+                ref_names[n] = "embedding.tokens"
+            else:
+                ref_names[n] = n
+        modules.append(m)
+        names.append(ref_names)
+        stages.append(pp.PipelineStage(m, k, n_stages, dev))
+    cls = getattr(pp, cls_name)
+    kw = {"loss_fn": lambda out, tgt: F.cross_entropy(out.reshape(-1, c["vocab"]), tgt.reshape(-1),
+                                                      reduction="sum") / total_tokens}
+    if "scale_grads" in inspect.signature(cls.__init__).parameters:
+        kw["scale_grads"] = False  # the loss is already the global batch's mean
+    schedule = cls(stages[0] if per_rank == 1 else stages, n_micro, **kw)
+    return modules, names, schedule, mine, n_stages
+
+
+def pipeline_step(schedule, mine, n_stages, idx, target):
+    losses = []
+    args = [idx] if 0 in mine else []
+    kwargs = {"target": target, "losses": losses} if n_stages - 1 in mine else {}
+    schedule.step(*args, **kwargs)
+    return losses
+
+
+def sum_tied(modules, c):
+    """The embedding's and the head's copies of the tied weight: their gradients summed over all
+    ranks (zeros where absent), so both copies take the same step."""
+    import torch.distributed as dist
+    copies = [m.embedding.tokens for m in modules if m.embedding is not None]
+    copies += [m.head.weight for m in modules if m.head is not None]
+    ref = next(p for m in modules for p in m.parameters())
+    total = torch.zeros((c["vocab"], c["width"]), device=ref.device)
+    for p in copies:
+        if p.grad is not None:
+            total += p.grad
+    dist.all_reduce(total)
+    for p in copies:
+        p.grad = total.clone()
+
+
+
+def pipeline_parity(kind, dev, rank, world):
+    """gpt-tiny (4 blocks), a global batch of 2 x world in as many micro-batches: every rank's
+    stage gradients (the tied copies summed) against one process's on the whole batch."""
+    import torch.distributed as dist
+    c = dict(PRESETS["gpt-tiny"], depth=4, batch=2 * world)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        idx, target, expected = reference_gradients(c, dev)
+        modules, names, schedule, mine, n_stages = build_pipeline_peer(kind, c, dev, rank, world, 2 * world, idx.numel())
+        pipeline_step(schedule, mine, n_stages, idx, target)
+        sum_tied(modules, c)
+        torch.cuda.synchronize()
+        worst = 0.0
+        for m, ref_names in zip(modules, names):
+            for n, p in m.named_parameters():
+                g = expected[ref_names[n]]
+                got = p.grad.detach().float().cpu() if p.grad is not None else torch.zeros_like(g)
+                worst = max(worst, (got - g).abs().max().item() / (g.abs().max().item() or 1.0))
+        w = torch.tensor([worst], device=dev)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        return w.item() < 1e-4, w.item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def run_pipeline_peer(kind, c, dev, rank, world, steps, n_micro):
+    import torch.distributed as dist
+    idx, target = batch(c, dev)
+    modules, _, schedule, mine, n_stages = build_pipeline_peer(kind, c, dev, rank, world, n_micro, idx.numel())
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    fb, op = [], []
+    for i in range(steps + 2):  # 2 warm-up steps, as strata_bench
+        if i == 2:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pipeline_step(schedule, mine, n_stages, idx, target)
+        sum_tied(modules, c)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= 2:
+            fb.append((t1 - t0) * 1e3)
+            op.append((t2 - t1) * 1e3)
+    return fb, op
 
 
 def run_distributed(args):
@@ -334,18 +488,26 @@ def run_distributed(args):
     per = c["batch"] // world
     results = []
     for kind in args.peers.split(","):
-        name = f"{kind}[ranks={world}]/{args.model}"
+        pipelined = kind in PIPELINES
+        name = f"{kind}[m={args.micro_batches};ranks={world}]/{args.model}" if pipelined else f"{kind}[ranks={world}]/{args.model}"
         t0 = time.time()
+        model = opt = None
         try:
-            ok, worst = distributed_parity(kind, dev, local, rank, world)
+            if pipelined:
+                ok, worst = pipeline_parity(kind, dev, rank, world)
+            else:
+                ok, worst = distributed_parity(kind, dev, local, rank, world)
             if not ok:
                 results.append(failed(name, f"parity failed: largest relative difference {worst:.3g} on gpt-tiny"))
                 continue
             torch.cuda.empty_cache()
-            idx, target = batch(c, dev)
-            model, opt = build_distributed_peer(kind, c, dev, local)
-            mine = slice(rank * per, (rank + 1) * per)
-            fb, op = timed_steps(model, opt, idx[mine], target[mine], args.steps, vocab=c["vocab"])
+            if pipelined:
+                fb, op = run_pipeline_peer(kind, c, dev, rank, world, args.steps, args.micro_batches)
+            else:
+                idx, target = batch(c, dev)
+                model, opt = build_distributed_peer(kind, c, dev, local)
+                mine = slice(rank * per, (rank + 1) * per)
+                fb, op = timed_steps(model, opt, idx[mine], target[mine], args.steps, vocab=c["vocab"])
             times = torch.tensor([statistics.mean(fb), statistics.mean(op)], device=dev)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             peaks = torch.zeros(2, world, device=dev)
@@ -381,6 +543,7 @@ def main():
     ap.add_argument("--peers", default="torch_baseline,torch_checkpoint,fsdp2_cpu_offload,seed_offload")
     ap.add_argument("--offload-py", help="path to seed 003's offload.py (needed by the seed_offload peer)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():

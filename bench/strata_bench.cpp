@@ -35,6 +35,7 @@
 #include "strategies/device/device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/options.h"
+#include "strategies/pipeline/pipeline.h"
 #include "strategies/strategy.h"
 
 namespace strata::bench {
@@ -298,6 +299,10 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["optimizer_ms"] = opt_ms / steps;
     state.counters["peak_allocated_bytes"] = static_cast<double>(peaks.allocated);
     state.counters["allocated_at_start_bytes"] = static_cast<double>(live.allocated_at_start);
+    // A pipeline timing its actions: its schedule simulated under the last step's measured action
+    // costs, beside the measured forward + backward (bench/METRICS.md).
+    if (auto* pipe = dynamic_cast<Pipeline*>(strategy.get()); pipe && options.count("time_actions"))
+      state.counters["simulated_fwd_bwd_ms"] = pipe->simulated_ms();
     state.counters["peak_reserved_bytes"] = static_cast<double>(peaks.reserved);
     state.counters["peak_param_bytes"] = static_cast<double>(peaks.params);
     state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;

@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "correctness/support/errors.h"
+#include "correctness/support/failing_block.h"
 #include "correctness/support/parity.h"
 #include "correctness/support/test_device.h"
 #include "models/check.h"
@@ -123,37 +124,13 @@ TEST(Pipeline, without_the_waits_the_delays_break_parity_on_cuda) {
     EXPECT_TRUE(r.ok) << r.message;
 }
 
-// A block that throws on its n-th forward call.
-class Failing : public models::Block {
- public:
-  explicit Failing(int64_t width) : lin_(register_module("lin", torch::nn::Linear(width, width))) {}
-  torch::Tensor forward(const torch::Tensor& x) override {
-    if (fail_after >= 0 && calls++ >= fail_after) throw Error("failure injected in a stage");
-    return lin_->forward(x);
-  }
-  std::atomic<int> calls{0};
-  int fail_after = -1;
-
- private:
-  torch::nn::Linear lin_;
-};
-
-class Head : public models::Block {
- public:
-  Head(int64_t width, int64_t classes) : lin_(register_module("lin", torch::nn::Linear(width, classes))) {}
-  torch::Tensor forward(const torch::Tensor& x) override { return lin_->forward(x); }
-
- private:
-  torch::nn::Linear lin_;
-};
-
 TEST(Pipeline, a_stage_that_throws_ends_the_step_with_its_error) {
   models::ModelConfig config;
   config.kind = models::ModelKind::mlp;
   config.in_features = 4;
   config.classes = 3;
-  auto failing = std::make_shared<Failing>(4);
-  std::vector<std::shared_ptr<models::Block>> blocks{std::make_shared<Failing>(4), failing, std::make_shared<Head>(4, 3)};
+  auto failing = std::make_shared<test::FailingBlock>(4);
+  std::vector<std::shared_ptr<models::Block>> blocks{std::make_shared<test::FailingBlock>(4), failing, std::make_shared<test::LinearHead>(4, 3)};
   models::BlockModel model(config, blocks);
   models::Batch batch{torch::randn({6, 4}), torch::randint(0, 3, {6}, torch::kLong)};
   for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
@@ -181,6 +158,41 @@ TEST(Pipeline, uneven_micro_batches_give_the_batch_mean) {
   auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "3"}});
   p->attach(models::build_model(model, 0));
   EXPECT_NEAR(p->train_step(batch), expected, 1e-5 * std::abs(expected));
+}
+
+// time_actions: every stage's actions are timed, the kinds its schedule uses and no others, and
+// the simulator turns them into a step no longer than running every action one after another.
+TEST(Pipeline, timed_actions_give_the_simulator_its_costs) {
+  const auto model = gpt(2, true);
+  const auto batch = models::make_batch(model, 4, 3);
+  for (const std::string schedule : {"1f1b", "zb-h1"}) {
+    auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "4"}, {"schedule", schedule}, {"time_actions", "1"}});
+    p->attach(models::build_model(model, 0));
+    p->train_step(batch);
+    const auto& costs = p->last_costs().stages;
+    ASSERT_EQ(costs.size(), 2u) << schedule;
+    double serial = 0;
+    for (const auto& c : costs) {
+      EXPECT_GT(c.forward, 0) << schedule;
+      if (schedule == "1f1b") {
+        EXPECT_GT(c.backward, 0);
+        EXPECT_EQ(c.input, 0);
+        EXPECT_EQ(c.weight, 0);
+      } else {
+        EXPECT_EQ(c.backward, 0);
+        EXPECT_GT(c.input, 0);
+        EXPECT_GT(c.weight, 0);
+      }
+      serial += 4 * (c.forward + c.backward + c.input + c.weight);
+    }
+    const double simulated = p->simulated_ms();
+    EXPECT_GT(simulated, 0) << schedule;
+    EXPECT_LE(simulated, serial * (1 + 1e-9)) << schedule;
+  }
+  auto untimed = make_pipeline({{"devices", devices(2)}});
+  untimed->attach(models::build_model(model, 0));
+  untimed->train_step(batch);
+  EXPECT_THAT(error_of([&] { untimed->simulated_ms(); }), HasSubstr("needs time_actions=1"));
 }
 
 // Steps leave the device's allocated memory where they found it. On CUDA, cuBLAS keeps a workspace

@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <atomic>
+#include <cstring>
 #include <future>
 #include <thread>
 #include <cstdlib>
@@ -281,7 +282,159 @@ class C10dGroup : public Group {
   std::unique_ptr<device::Stream> side_;   ///< a GPU's delayed collectives run behind it
 };
 
+// A channel's header: what follows it. Sizes beyond kMaxDims dimensions are refused.
+enum class Kind : int64_t { tensor = 0, undefined = 1, failure = 2 };
+constexpr int64_t kMaxDims = 8;
+constexpr int64_t kHeader = 3 + kMaxDims;  // kind, dtype, dims, sizes
+
+class C10dChannel : public Channel {
+ public:
+  C10dChannel(std::string backend, torch::Device device, int from, int to)
+      : Channel(from, to), backend_(std::move(backend)), device_(device), timeout_(configured_timeout()) {
+    const auto& env = environment();
+    STRATA_CHECK(env.rank == from || env.rank == to,
+                 "distributed: rank " << env.rank << " asked for the channel " << from << " -> " << to);
+    STRATA_CHECK(from != to && from >= 0 && to >= 0 && from < env.world_size && to < env.world_size,
+                 "distributed: no channel " << from << " -> " << to << " in a world of " << env.world_size);
+    const int me = env.rank == from ? 0 : 1;
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        "strata/p2p/" + backend_ + "/" + std::to_string(from) + "-" + std::to_string(to), process_store());
+    try {
+      if (backend_ == "nccl") {
+        impl_ = make_nccl_backend(store, me, 2, timeout_);
+      } else {
+        auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+        options->devices.push_back(gloo_device(env));
+        options->threads = 1;
+        impl_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, me, 2, options);
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      STRATA_FAIL("distributed: rank " << env.rank << " could not open the channel " << from << " -> " << to << " ("
+                                       << backend_ << ") within " << timeout_.count() / 1000 << " s: " << e.what());
+    }
+  }
+
+  Work send(const torch::Tensor& t) override {
+    if (!t.defined()) return send_header(header(Kind::undefined, torch::kUInt8, {}), {});
+    STRATA_CHECK(t.dim() <= kMaxDims, "distributed: a channel carries at most " << kMaxDims << " dimensions, not "
+                                                                                << t.dim());
+    STRATA_CHECK(t.device().type() == device_.type(),
+                 "distributed: the channel " << from_ << " -> " << to_ << " carries " << device_.type()
+                                             << " tensors, not " << t.device());
+    return send_header(header(Kind::tensor, t.scalar_type(), t.sizes()), t.contiguous());
+  }
+
+  Work send_failure(const std::string& what) override {
+    auto text = torch::empty({static_cast<int64_t>(what.size())}, torch::kUInt8);
+    std::memcpy(text.data_ptr(), what.data(), what.size());
+    return send_header(header(Kind::failure, torch::kUInt8, text.sizes()), text.to(device_));
+  }
+
+  Received receive() override {
+    auto h = torch::empty({kHeader}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+    wait("receive", recv(h));
+    h = h.cpu();
+    const auto* v = h.data_ptr<int64_t>();
+    const auto kind = static_cast<Kind>(v[0]);
+    Received out;
+    if (kind == Kind::undefined) return out;
+    std::vector<int64_t> sizes(v + 3, v + 3 + v[2]);
+    auto t = torch::empty(sizes, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(v[1])).device(device_));
+    if (t.numel() > 0) wait("receive", recv(t));
+    if (kind == Kind::failure) {
+      auto text = t.cpu();
+      out.failed = true;
+      out.failure.assign(reinterpret_cast<const char*>(text.data_ptr()), static_cast<size_t>(text.numel()));
+      return out;
+    }
+    out.tensor = t;
+    return out;
+  }
+
+ private:
+  static torch::Tensor header(Kind kind, torch::ScalarType dtype, at::IntArrayRef sizes) {
+    auto h = torch::zeros({kHeader}, torch::kLong);
+    auto* v = h.data_ptr<int64_t>();
+    v[0] = static_cast<int64_t>(kind);
+    v[1] = static_cast<int64_t>(dtype);
+    v[2] = static_cast<int64_t>(sizes.size());
+    for (size_t k = 0; k < sizes.size(); ++k) v[3 + k] = sizes[k];
+    return h;
+  }
+
+  Work send_header(torch::Tensor h, torch::Tensor payload) {
+    h = h.to(device_);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::vector<torch::Tensor> ts{h};
+      works.push_back(call("send", [&] { return impl_->send(ts, 1, 0); }));
+    }
+    if (payload.defined() && payload.numel() > 0) {
+      std::vector<torch::Tensor> ts{payload};
+      works.push_back(call("send", [&] { return impl_->send(ts, 1, 0); }));
+    }
+    return Work([this, works, h, payload] {
+      for (const auto& w : works) wait("send", w);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(torch::Tensor t) {
+    std::vector<torch::Tensor> ts{t};
+    return call("receive", [&] { return impl_->recv(ts, 0, 0); });
+  }
+
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> call(const char* what, F&& f) {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      STRATA_FAIL("distributed: " << what << " on the channel " << from_ << " -> " << to_ << " (" << backend_
+                                  << ") failed: " << e.what());
+    }
+  }
+
+  // NCCL: the current stream waits (the watchdog enforces the timeout); Gloo: block, up to it.
+  void wait(const char* what, const c10::intrusive_ptr<c10d::Work>& w) const {
+    try {
+      if (backend_ == "nccl")
+        w->wait();
+      else
+        w->wait(timeout_);
+    } catch (const std::exception& e) {
+      STRATA_FAIL("distributed: " << what << " on the channel " << from_ << " -> " << to_ << " (" << backend_
+                                  << ") failed or timed out after " << timeout_.count() / 1000 << " s: " << e.what());
+    }
+  }
+
+  std::string backend_;
+  torch::Device device_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<compat::CollectiveBackend> impl_;
+};
+
+std::string backend_for(const torch::Device& device) {
+  if (!device.is_cuda()) return "gloo";
+  const char* choice = std::getenv("STRATA_CUDA_BACKEND");
+  std::string backend = choice ? choice : "nccl";
+  STRATA_CHECK(backend == "nccl" || backend == "gloo",
+               "distributed: STRATA_CUDA_BACKEND='" << backend << "' is not valid; use nccl or gloo");
+  return backend;
+}
+
 }  // namespace
+
+std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to) {
+  static std::mutex mutex;
+  // Kept for the process's lifetime, as the groups are (see group_for).
+  static auto& channels = *new std::map<std::tuple<std::string, int, int>, std::shared_ptr<Channel>>();
+  const auto backend = backend_for(device);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& c = channels[{device.str(), from, to}];
+  if (!c) c = std::make_shared<C10dChannel>(backend, device, from, to);
+  return c;
+}
 
 std::shared_ptr<Group> group_for(const torch::Device& device) {
   static std::mutex mutex;
@@ -289,13 +442,7 @@ std::shared_ptr<Group> group_for(const torch::Device& device) {
   // after CUDA has shut down and aborts the process (seen on the GPU machine). The system reclaims
   // it; the ranks' work is complete by then (every collective is waited for).
   static auto& groups = *new std::map<std::string, std::shared_ptr<Group>>();
-  std::string backend = "gloo";
-  if (device.is_cuda()) {
-    const char* choice = std::getenv("STRATA_CUDA_BACKEND");
-    backend = choice ? choice : "nccl";
-    STRATA_CHECK(backend == "nccl" || backend == "gloo",
-                 "distributed: STRATA_CUDA_BACKEND='" << backend << "' is not valid; use nccl or gloo");
-  }
+  const std::string backend = backend_for(device);
   std::lock_guard<std::mutex> lock(mutex);
   if (device.is_cuda()) {
     // As torch.cuda.set_device(LOCAL_RANK) before init_process_group: this rank's GPU is the

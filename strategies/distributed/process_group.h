@@ -64,6 +64,41 @@ class Group {
   virtual void agree(const std::string& topic, const std::string& value) = 0;
 };
 
+/// One direction of a point-to-point link: rank `from` sends, rank `to` receives, both in one order
+/// (the order the sender sends in). Each channel is a two-rank group of its own, so messages in the
+/// two directions between a pair never queue behind each other (one NCCL stream per direction).
+/// A tensor travels with a header (dtype and sizes): the receiver needs no shape. An undefined
+/// tensor travels as a marker and arrives undefined; a failure travels as its text.
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  int from() const { return from_; }
+  int to() const { return to_; }
+  /// On `from`: queues `t` behind the current stream's work (NCCL) or at once (Gloo). The Work
+  /// completes when the message has left; `t` is kept alive until then.
+  virtual Work send(const torch::Tensor& t) = 0;
+  /// On `from`: tells the receiver that this message will not come, and why.
+  virtual Work send_failure(const std::string& what) = 0;
+  struct Received {
+    torch::Tensor tensor;  ///< undefined when an undefined tensor was sent
+    bool failed = false;   ///< the sender sent a failure; `failure` is its text
+    std::string failure;
+  };
+  /// On `to`: the next message, on the channel's device. With NCCL the current stream waits for it.
+  /// An Error when the sender does not send within the timeout.
+  virtual Received receive() = 0;
+
+ protected:
+  Channel(int from, int to) : from_(from), to_(to) {}
+  int from_, to_;
+};
+
+/// The channel from rank `from` to rank `to` for tensors on `device` (Gloo on the CPU, NCCL on
+/// CUDA), made on first use and kept. Both ranks must ask for it; a process that asks for several
+/// must ask in one order agreed by all (e.g. sorted by (from, to)), since making one waits for the
+/// other side.
+std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to);
+
 /// The process's group for tensors on `device`'s type (Gloo for the CPU; NCCL for CUDA, or Gloo
 /// where STRATA_CUDA_BACKEND=gloo), made on first use from the environment and kept for the
 /// process's lifetime. Timeout: STRATA_DIST_TIMEOUT_S seconds (default 300).

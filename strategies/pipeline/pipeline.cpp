@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -52,6 +53,7 @@ PipelineOptions PipelineOptions::parse(const std::map<std::string, std::string>&
   if (balance != "auto") o.balance = reader.get_ints("balance", {});
   o.replicate_tied = reader.get_bool("replicate_tied", o.replicate_tied);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
+  o.time_actions = reader.get_bool("time_actions", o.time_actions);
   reader.finish();
   o.validate();
   return o;
@@ -111,6 +113,12 @@ struct Pipeline::Run {
   std::vector<int> in_flight, peak;
   std::vector<torch::Tensor> losses;  ///< per micro-batch, on the last stage's device
   std::vector<int64_t> bytes;         ///< per rank: interconnect bytes received
+  std::vector<distributed::Work> sends;  ///< c10d: this rank's messages in flight
+  struct Timed {
+    pipeline::Action action;
+    device::Stopwatch watch;
+  };
+  std::vector<std::vector<Timed>> timed;  ///< rank -> its timed actions (time_actions)
 
   void fail(const std::string& what) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -221,7 +229,20 @@ void Pipeline::attach_model(models::BlockModel model) {
   const auto n = model.num_blocks();
   // Ranks: the options' devices, else the config's, else `ranks` copies of the main device.
   std::vector<torch::Device> devices;
-  if (!options_.devices.empty()) {
+  const auto& env = distributed::environment();
+  c10d_ = env.launched && env.world_size > 1;
+  if (c10d_) {
+    // One process per rank (torchrun, launch.py): this process is rank RANK on its own device.
+    STRATA_CHECK(options_.devices.empty() && (options_.ranks == 0 || options_.ranks == env.world_size),
+                 name_ << ": launched as " << env.world_size << " processes, each is one rank on its own device;"
+                       << " leave out devices= and ranks= (given: devices=" << options_.devices.size()
+                       << " entries, ranks=" << options_.ranks << ")");
+    const auto mine = config_.device.is_cuda() ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
+                                               : config_.device;
+    devices.assign(static_cast<size_t>(env.world_size), mine);
+    my_rank_ = env.rank;
+    group_ = distributed::group_for(mine);
+  } else if (!options_.devices.empty()) {
     for (const auto& d : options_.devices) devices.push_back(device::parse(d));
   } else if (!config_.devices.empty() && options_.ranks == 0) {
     devices = config_.devices;
@@ -245,6 +266,17 @@ void Pipeline::attach_model(models::BlockModel model) {
   rank_devices_ = devices;
   rank_streams_.clear();
   for (const auto& d : devices) rank_streams_.push_back(d.is_cuda() ? device::Stream::side(d) : device::Stream::compute(d));
+  if (c10d_) {
+    std::ostringstream layout;
+    for (const auto& p : model.parameters()) layout << p.name << p.tensor.sizes() << p.tensor.requires_grad() << ";";
+    for (const auto& b : model.buffers()) layout << b.name << b.tensor.sizes() << ";";
+    std::ostringstream description;
+    description << name_ << "(schedule " << options_.schedule << ", micro_batches " << options_.micro_batches
+                << ", virtual_stages " << v << ", balance " << join(options_.balance) << ") world " << p
+                << ", model of " << model.parameters().size() << " parameters, layout #" << std::hex
+                << std::hash<std::string>{}(layout.str());
+    group_->agree(name_ + " attach", description.str());
+  }
   virtual_stages_ = v;
   schedule_ = {};
   build_schedule(options_.micro_batches > 0 ? options_.micro_batches : 2 * p);
@@ -277,7 +309,8 @@ void Pipeline::attach_model(models::BlockModel model) {
     for (auto i : block_params_[b])
       if (home_stage_[i] < 0) home_stage_[i] = stage_of[b];
   // Buffers move with their block; one shared by blocks on two devices has no single place.
-  std::vector<int64_t> buffer_stage(model.buffers().size(), -1);
+  auto& buffer_stage = buffer_stage_;
+  buffer_stage.assign(model.buffers().size(), -1);
   for (int64_t b = 0; b < n; ++b)
     for (auto k : model.block_buffers()[b]) {
       const auto s = stage_of[b];
@@ -292,15 +325,23 @@ void Pipeline::attach_model(models::BlockModel model) {
   // Move: parameters to their home device, buffers to their stage's.
   {
     torch::NoGradGuard no_grad;
+    // Across processes, a parameter goes to this rank's device if a stage here uses it (a shared
+    // one used on several ranks is a copy on each, kept equal by summing its gradient over them);
+    // the others stay on the host, unused.
+    std::vector<bool> here(params.size(), !c10d_);
+    if (c10d_)
+      for (int64_t b = 0; b < n; ++b)
+        if (local_stage(stage_of[b]))
+          for (auto i : block_params_[b]) here[i] = true;
     for (size_t i = 0; i < params.size(); ++i) {
       auto& t = params[i].tensor;
-      if (home_stage_[i] >= 0) t.set_data(t.data().to(device_of_stage(home_stage_[i])));
+      if (home_stage_[i] >= 0 && here[i]) t.set_data(t.data().to(c10d_ ? rank_devices_[my_rank_] : device_of_stage(home_stage_[i])));
     }
     for (size_t k = 0; k < buffer_stage.size(); ++k) {
       auto& t = model.buffers()[k].tensor;
-      if (buffer_stage[k] >= 0) t.set_data(t.data().to(device_of_stage(buffer_stage[k])));
+      if (buffer_stage[k] >= 0 && local_stage(buffer_stage[k])) t.set_data(t.data().to(device_of_stage(buffer_stage[k])));
     }
-    for (int64_t s = 0; s < stages; ++s) {
+    for (int64_t s = 0; s < stages && !c10d_; ++s) {
       std::vector<int64_t> seen;
       for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
         for (auto i : block_params_[b]) {
@@ -319,7 +360,145 @@ void Pipeline::attach_model(models::BlockModel model) {
   optimizer_state_.assign(params.size(), OptimizerState{});
   peak_in_flight_.assign(static_cast<size_t>(stages), 0);
   model_.emplace(std::move(model));
+  if (c10d_) {
+    // Channels to and from each neighbouring rank, opened in one order on every process (opening
+    // one waits for the other side), each direction with its own receiving stream here.
+    std::set<std::pair<int, int>> links;
+    for (int64_t s = 0; s + 1 < stages; ++s) {
+      const int a = schedule_.rank_of(static_cast<int>(s)), b = schedule_.rank_of(static_cast<int>(s + 1));
+      if (a == b) continue;
+      links.insert({a, b});
+      links.insert({b, a});
+    }
+    const auto mine = rank_devices_[my_rank_];
+    for (const auto& [from, to] : links) {
+      if (from != my_rank_ && to != my_rank_) continue;
+      distributed::channel(mine, from, to);
+      if (to == my_rank_)
+        receive_streams_.emplace(from, mine.is_cuda() ? device::Stream::side(mine) : device::Stream::compute(mine));
+    }
+  }
 }
+
+void Pipeline::record_costs(Run& run) {
+  const int stages = schedule_.num_stages();
+  // stage x {F, B, I, W} x {sum of ms, count}; across processes every rank adds its own stages.
+  auto table = torch::zeros({stages, 4, 2}, torch::kFloat64);
+  auto t = table.accessor<double, 3>();
+  for (auto& list : run.timed)
+    for (auto& timed : list) {
+      const int op = static_cast<int>(timed.action.op == pipeline::Op::F   ? 0
+                                      : timed.action.op == pipeline::Op::B ? 1
+                                      : timed.action.op == pipeline::Op::I ? 2
+                                                                           : 3);
+      t[timed.action.stage][op][0] += timed.watch.elapsed_ms();
+      t[timed.action.stage][op][1] += 1;
+    }
+  if (c10d_) {
+    auto shared = table.to(rank_devices_[my_rank_]);
+    group_->all_reduce(shared).wait();
+    table = shared.cpu();
+    t = table.accessor<double, 3>();
+  }
+  auto mean = [&](int s, int op) { return t[s][op][1] > 0 ? t[s][op][0] / t[s][op][1] : 0.0; };
+  last_costs_ = {};
+  last_costs_.stages.clear();
+  for (int s = 0; s < stages; ++s) last_costs_.stages.push_back({mean(s, 0), mean(s, 1), mean(s, 2), mean(s, 3)});
+}
+
+double Pipeline::simulated_ms() const {
+  STRATA_CHECK(options_.time_actions && !last_costs_.stages.empty() &&
+                   static_cast<int>(last_costs_.stages.size()) == schedule_.num_stages(),
+               name_ << ": simulated_ms() needs time_actions=1 and a train_step");
+  return pipeline::simulate(schedule_, last_costs_).makespan;
+}
+
+std::vector<bool> Pipeline::local_params() const {
+  std::vector<bool> here(grads_.size(), !c10d_);
+  if (!c10d_) return here;
+  for (int64_t s = 0; s < schedule_.num_stages(); ++s)
+    if (local_stage(s))
+      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
+        for (auto i : block_params_[b]) here[i] = true;
+  return here;
+}
+
+std::shared_ptr<distributed::Channel> Pipeline::channel_to(int rank, bool outgoing) const {
+  const auto mine = rank_devices_[my_rank_];
+  return outgoing ? distributed::channel(mine, my_rank_, rank) : distributed::channel(mine, rank, my_rank_);
+}
+
+// The messages `rank`'s actions send, in the order it sends them: (gradient?, receiving stage,
+// micro-batch). A receiver posts its receives in this order, the order the sender's channel has.
+namespace {
+std::vector<std::tuple<bool, int, int>> sends_of(const pipeline::Schedule& schedule, int rank, size_t from_action = 0) {
+  std::vector<std::tuple<bool, int, int>> out;
+  const int last = schedule.num_stages() - 1;
+  const auto& actions = schedule.actions[static_cast<size_t>(rank)];
+  for (size_t k = from_action; k < actions.size(); ++k) {
+    const auto& a = actions[k];
+    if (a.op == pipeline::Op::F && a.stage < last) out.emplace_back(false, a.stage + 1, a.micro);
+    if ((a.op == pipeline::Op::B || a.op == pipeline::Op::I) && a.stage > 0) out.emplace_back(true, a.stage - 1, a.micro);
+  }
+  return out;
+}
+}  // namespace
+
+void Pipeline::send_remote(Run& run, int to_stage, const torch::Tensor& t) {
+  if (t.defined()) run.bytes[static_cast<size_t>(my_rank_)] += t.nbytes();
+  run.sends.push_back(channel_to(schedule_.rank_of(to_stage), /*outgoing=*/true)->send(t));
+}
+
+// After this rank's action `from_action` failed: every message it would still have sent to
+// another rank goes as the failure, so each receiver ends its step with the error, not a wait.
+void Pipeline::fail_remaining(Run& run, size_t from_action) {
+  for (const auto& [grad, stage, micro] : sends_of(schedule_, my_rank_, from_action)) {
+    const int to = schedule_.rank_of(stage);
+    if (to == my_rank_) continue;
+    try {
+      run.sends.push_back(channel_to(to, /*outgoing=*/true)->send_failure(run.failure));
+    } catch (const std::exception&) {  // the peer may be gone; the step fails either way
+    }
+  }
+}
+
+// Receives what `peer` sends this rank in one step, in its order, into the mailbox.
+void Pipeline::receive_from(Run& run, int peer) {
+  const auto dev = rank_devices_[my_rank_];
+  c10::OptionalDeviceGuard on_device;
+  if (dev.is_cuda()) on_device.reset_device(dev);
+  auto& stream = receive_streams_.at(peer);
+  device::Stream::Guard on_stream(stream);
+  auto ch = channel_to(peer, /*outgoing=*/false);
+  for (const auto& [grad, stage, micro] : sends_of(schedule_, peer)) {
+    if (schedule_.rank_of(stage) != my_rank_) continue;
+    try {
+      auto r = ch->receive();
+      if (r.failed) {
+        run.fail(r.failure);
+        continue;  // the rest from this peer are failures too: take them, so its sends complete
+      }
+      run.send(grad, stage, micro, Message{r.tensor, stream.record()});
+    } catch (const std::exception& e) {
+      run.fail(std::string("rank ") + std::to_string(my_rank_) + " receiving from rank " + std::to_string(peer) +
+               ": " + e.what());
+      return;
+    }
+  }
+}
+
+// After this rank's actions: the sends are done, every rank learns whether any failed, the loss and
+// the gradients of parameters held on several ranks are summed over the ranks.
+void Pipeline::finish_remote_step(Run& run) {
+  for (auto& w : run.sends) w.wait();
+  run.sends.clear();
+  const auto dev = rank_devices_[my_rank_];
+  auto flag = torch::tensor({run.failed ? 1.0f : 0.0f}, torch::TensorOptions().device(dev));
+  group_->all_reduce(flag, /*max=*/true).wait();
+  if (flag.item<float>() > 0)
+    throw Error(name_ + ": " + (run.failed ? run.failure : "a stage on another rank failed (its error is in that rank's output)"));
+}
+
 
 // ---------------------------------------------------------------------------------------------
 
@@ -330,6 +509,18 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   const auto dev = run.stage_device[s];
   auto& stream = run.rank_stream[schedule_.rank_of(s)];
   auto& state = run.micro[s][i];
+  // time_actions: the action's own compute, from after its input arrived to before it sends.
+  Run::Timed* timer = nullptr;
+  auto start_timer = [&] {
+    if (!options_.time_actions) return;
+    auto& list = run.timed[static_cast<size_t>(schedule_.rank_of(s))];
+    list.push_back({a, device::Stopwatch(dev)});
+    timer = &list.back();
+    timer->watch.start();
+  };
+  auto stop_timer = [&] {
+    if (timer) timer->watch.stop();
+  };
   // The sender moves a tensor to the receiving stage's device on its own stream (the copy then
   // runs on the source device, in the order of the work that produced it) and records an event;
   // the receiver's stream waits for that event only, and marks the tensor in use by its stream.
@@ -341,6 +532,12 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
     return msg.tensor;
   };
   auto give = [&](bool grad, int to, torch::Tensor t) {
+    if (c10d_ && schedule_.rank_of(to) != my_rank_) {  // another process: over its channel, in order
+      const auto delay = device::injected_delays().copy;
+      if (delay.count() > 0) stream.delay(delay);
+      send_remote(run, to, t);
+      return;
+    }
     const auto& target = run.stage_device[to];
     if (t.defined() && t.device() != target) {
       run.bytes[schedule_.rank_of(s)] += t.nbytes();
@@ -364,6 +561,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   if (a.op == pipeline::Op::F) {
     auto x = s == 0 ? run.inputs[i].to(dev) : take(false);
     if (schedule_.rank_of(s) == 0) stream.compute_point();  // one rank's compute slowed (tests)
+    start_timer();
     for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
       Swap swap(*this, s, b);
       auto [y, graph] = run_keeping_graph(*m.blocks()[b], x);
@@ -377,7 +575,9 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
       auto loss = m.loss_sum(out, run.targets[i].to(dev)) / run.target_count;
       if (out.requires_grad()) state.loss_grad = torch::autograd::grad({loss}, {out})[0];
       run.losses[i] = loss.detach();
+      stop_timer();
     } else {
+      stop_timer();
       give(false, s + 1, x);
     }
     run.peak[s] = std::max(run.peak[s], ++run.in_flight[s]);
@@ -388,6 +588,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   if (a.op == pipeline::Op::B || a.op == pipeline::Op::I) {
     auto g = s == last ? state.loss_grad : take(true);
     if (schedule_.rank_of(s) == 0) stream.compute_point();
+    start_timer();
     const bool split = a.op == pipeline::Op::I;
     if (split) state.grad_outs.assign(static_cast<size_t>(count), torch::Tensor());
     for (int64_t k = count - 1; k >= 0; --k) {
@@ -408,6 +609,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
         g = r.input;
       }
     }
+    stop_timer();
     if (s > 0) give(true, s - 1, g);
     if (!split) {
       state = Run::Micro{};
@@ -417,6 +619,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   }
 
   // W: the weight gradients from the graphs that I kept and the output gradients it saw.
+  start_timer();
   for (int64_t k = 0; k < count; ++k) {
     auto& graph = state.graphs[static_cast<size_t>(k)];
     const auto& g = state.grad_outs.empty() ? torch::Tensor() : state.grad_outs[static_cast<size_t>(k)];
@@ -424,6 +627,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
     Swap swap(*this, s, first + k);
     add_grads(first + k, block_gradients(std::move(graph), {g}).params);
   }
+  stop_timer();
   state = Run::Micro{};
   --run.in_flight[s];
 }
@@ -442,6 +646,7 @@ void Pipeline::run_rank(Run& run, int rank) {
       what << "rank " << rank << " (" << dev << "), action " << k << " '"
            << pipeline::token(actions[k], schedule_.virtual_stages > 1) << "': " << e.what();
       run.fail(what.str());
+      if (c10d_) fail_remaining(run, k);
       return;
     }
   }
@@ -468,32 +673,90 @@ double Pipeline::train_step(const models::Batch& batch) {
   run.peak.assign(static_cast<size_t>(stages), 0);
   run.losses.assign(static_cast<size_t>(mb), torch::Tensor());
   run.bytes.assign(rank_devices_.size(), 0);
+  run.timed.assign(rank_devices_.size(), {});
   // Each rank's stream starts after the work queued so far (the last step's updates).
   for (size_t r = 0; r < rank_devices_.size(); ++r)
     if (rank_devices_[r].is_cuda()) run.rank_stream[r].wait(device::Stream::compute(rank_devices_[r]).record());
 
   std::vector<std::thread> threads;
-  for (int r = 0; r < schedule_.ranks; ++r) threads.emplace_back([this, &run, r] { run_rank(run, r); });
+  if (c10d_) {  // this process's rank, and a receiver per rank that sends it anything
+    threads.emplace_back([this, &run] { run_rank(run, my_rank_); });
+    for (auto& [peer, stream] : receive_streams_) threads.emplace_back([this, &run, peer = peer] { receive_from(run, peer); });
+  } else {
+    for (int r = 0; r < schedule_.ranks; ++r) threads.emplace_back([this, &run, r] { run_rank(run, r); });
+  }
   for (auto& t : threads) t.join();
+  if (c10d_) {
+    device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
+    finish_remote_step(run);
+  }
   for (const auto& d : rank_devices_) device::synchronize(d);
   if (run.failed) throw Error(name_ + ": " + run.failure);
+  if (options_.time_actions) record_costs(run);
 
   for (auto b : run.bytes) bytes_interconnect_ += b;
   peak_in_flight_ = run.peak;
-  // Each parameter's gradient: the sum over the stages that used it, on its home device.
+  // Each parameter's gradient: the sum over the stages that used it, on its home device. Across
+  // processes, a parameter used on several ranks (the tied embedding and head) has a copy on each:
+  // this step's part of its gradient is summed over all ranks (zeros where unused) before it is
+  // added, so every copy takes the same step.
   torch::NoGradGuard no_grad;
   const auto& params = m.parameters();
+  std::vector<bool> shared(params.size(), false);
+  if (c10d_) {
+    std::vector<std::set<int>> users(params.size());
+    for (int64_t s = 0; s < stages; ++s)
+      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
+        for (auto i : block_params_[b]) users[i].insert(schedule_.rank_of(static_cast<int>(s)));
+    for (size_t i = 0; i < params.size(); ++i) shared[i] = params[i].tensor.requires_grad() && users[i].size() > 1;
+  }
+  std::vector<torch::Tensor> step(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].tensor.requires_grad()) continue;
     for (int s = 0; s < stages; ++s) {
       const auto& g = run.stage_grads[static_cast<size_t>(s)][i];
       if (!g.defined()) continue;
       if (g.device() != params[i].tensor.device()) bytes_interconnect_ += g.nbytes();
-      accumulate(grads_[i], g.to(params[i].tensor.device()));
+      accumulate(shared[i] ? step[i] : grads_[i], g.to(params[i].tensor.device()));
     }
   }
   double loss = 0;
-  for (const auto& l : run.losses) loss += l.item<double>();
+  for (const auto& l : run.losses)
+    if (l.defined()) loss += l.item<double>();
+  if (!c10d_) return loss;
+
+  // The loss is known on the last stage's rank: every rank returns it.
+  const auto dev = rank_devices_[my_rank_];
+  auto total = torch::tensor({loss}, torch::TensorOptions().dtype(torch::kFloat64).device(dev));
+  group_->all_reduce(total).wait();
+  loss = total.item<double>();
+  const auto here = local_params();
+  std::vector<size_t> summed;
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!shared[i]) continue;
+    summed.push_back(i);
+    parts.push_back(step[i].defined() ? step[i].reshape(-1)
+                                      : torch::zeros({params[i].tensor.numel()}, torch::TensorOptions().device(dev)));
+  }
+  if (summed.empty()) return loss;
+  // Which got a gradient on some rank: one that got none anywhere stays without (no update).
+  auto got = torch::zeros({static_cast<int64_t>(summed.size())}, torch::TensorOptions().device(dev));
+  for (size_t k = 0; k < summed.size(); ++k)
+    if (step[summed[k]].defined()) got[static_cast<int64_t>(k)] = 1;
+  auto flat = torch::cat(parts);
+  group_->all_reduce(flat).wait();
+  group_->all_reduce(got).wait();
+  got = got.cpu();
+  int64_t at = 0;
+  for (size_t k = 0; k < summed.size(); ++k) {
+    const auto i = summed[k];
+    const auto n = params[i].tensor.numel();
+    if (got[static_cast<int64_t>(k)].item<float>() > 0 && here[i])
+      accumulate(grads_[i], flat.narrow(0, at, n).view(params[i].tensor.sizes()));
+    bytes_interconnect_ += n * static_cast<int64_t>(params[i].tensor.element_size());
+    at += n;
+  }
   return loss;
 }
 
@@ -502,6 +765,35 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
   auto x = input;
+  if (c10d_) {  // stage by stage over the ranks; every rank returns the output
+    const int last = schedule_.num_stages() - 1;
+    const auto dev = rank_devices_[my_rank_];
+    for (int s = 0; s <= last; ++s) {
+      const int r = schedule_.rank_of(s);
+      if (r != my_rank_) continue;
+      if (s == 0)
+        x = input.to(dev);
+      else if (schedule_.rank_of(s - 1) != my_rank_)
+        x = channel_to(schedule_.rank_of(s - 1), /*outgoing=*/false)->receive().tensor;
+      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) x = m.blocks()[b]->forward(x);
+      if (s < last && schedule_.rank_of(s + 1) != my_rank_) channel_to(schedule_.rank_of(s + 1), /*outgoing=*/true)->send(x).wait();
+    }
+    // The output's shape is known on the last rank only: it tells the others first.
+    const bool mine = schedule_.rank_of(last) == my_rank_;
+    auto shape = torch::zeros({8}, torch::TensorOptions().dtype(torch::kLong).device(dev));
+    if (mine) {
+      STRATA_CHECK(x.dim() <= 7, name_ << ": an output of " << x.dim() << " dimensions cannot be shared over ranks");
+      shape[0] = x.dim();
+      for (int64_t k = 0; k < x.dim(); ++k) shape[k + 1] = x.size(k);
+    }
+    group_->all_reduce(shape).wait();
+    shape = shape.cpu();
+    std::vector<int64_t> sizes;
+    for (int64_t k = 0; k < shape[0].item<int64_t>(); ++k) sizes.push_back(shape[k + 1].item<int64_t>());
+    auto out = mine ? x.to(torch::kFloat).contiguous() : torch::zeros(sizes, torch::TensorOptions().device(dev));
+    group_->all_reduce(out).wait();
+    return out;
+  }
   for (int s = 0; s < schedule_.num_stages(); ++s) {
     x = x.to(device_of_stage(s));
     for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
@@ -540,8 +832,41 @@ double Pipeline::max_replica_drift() {
   return drift;
 }
 
+// Across processes: each tensor from the rank that owns it (`owner`), the same on every rank.
+NamedTensors Pipeline::gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int>& owner) {
+  const auto dev = rank_devices_[my_rank_];
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i].tensor;
+    parts.push_back(owner[i] == my_rank_ ? t.detach().to(dev, torch::kFloat64).reshape(-1)
+                                         : torch::zeros({t.numel()}, torch::TensorOptions().dtype(torch::kFloat64).device(dev)));
+  }
+  NamedTensors out;
+  if (parts.empty()) return out;
+  auto flat = torch::cat(parts);
+  group_->all_reduce(flat).wait();
+  flat = flat.cpu();
+  int64_t at = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i].tensor;
+    out.emplace_back(tensors[i].name, flat.narrow(0, at, t.numel()).to(t.scalar_type()).view(t.sizes()).clone());
+    at += t.numel();
+  }
+  return out;
+}
+
 NamedTensors Pipeline::gradients() {
   const auto& params = model().parameters();
+  if (c10d_) {  // every parameter's gradient from its home rank (shared ones are equal on every holder)
+    std::vector<models::NamedParameter> grads;
+    std::vector<int> owner;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto g = grads_[i].defined() ? grads_[i] : torch::zeros(params[i].tensor.sizes(), params[i].tensor.options());
+      grads.push_back({params[i].name, g, params[i].owner_block});
+      owner.push_back(home_stage_[i] >= 0 ? schedule_.rank_of(static_cast<int>(home_stage_[i])) : 0);
+    }
+    return gather(grads, owner);
+  }
   NamedTensors out;
   for (size_t i = 0; i < params.size(); ++i)
     out.emplace_back(params[i].name, grads_[i].defined() ? grads_[i].detach().cpu().clone()
@@ -549,8 +874,21 @@ NamedTensors Pipeline::gradients() {
   return out;
 }
 
-NamedTensors Pipeline::parameters() { return host_copies(model().parameters()); }
-NamedTensors Pipeline::buffers() { return host_copies(model().buffers()); }
+NamedTensors Pipeline::parameters() {
+  const auto& params = model().parameters();
+  if (!c10d_) return host_copies(params);
+  std::vector<int> owner;
+  for (auto s : home_stage_) owner.push_back(s >= 0 ? schedule_.rank_of(static_cast<int>(s)) : 0);
+  return gather(params, owner);
+}
+
+NamedTensors Pipeline::buffers() {
+  const auto& buffers = model().buffers();
+  if (!c10d_) return host_copies(buffers);
+  std::vector<int> owner;
+  for (auto s : buffer_stage_) owner.push_back(s >= 0 ? schedule_.rank_of(static_cast<int>(s)) : 0);
+  return gather(buffers, owner);
+}
 
 Stats Pipeline::stats() {
   Stats s;

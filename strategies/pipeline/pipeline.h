@@ -1,11 +1,20 @@
 #pragma once
-// Pipeline parallel, in one process: the model's blocks cut into p x v contiguous stages, stage s on
+// Pipeline parallel: the model's blocks cut into p x v contiguous stages, stage s on
 // rank s % p (strategies/pipeline/schedule.h), each rank a device of its own (or a device repeated,
 // or the CPU) with one worker thread and, on CUDA, one stream. Each train_step splits the batch into
 // micro-batches and has every rank run its list of the schedule's actions in order; activations and
 // their gradients pass between stages through a transport (here: in-process mailboxes, with an event
 // per message so a receiving stream waits only for what it reads). One executor runs every schedule:
 // GPipe, 1F1B, interleaved 1F1B and ZB-H1 differ only in their action lists.
+//
+// Launched as several processes (torchrun, strategies/distributed/launch.py), each process is one
+// rank on its own device (cuda:LOCAL_RANK, or the CPU) and runs only its own list: messages to
+// another rank go over a c10d channel per direction (strategies/distributed/process_group.h; Gloo
+// on the CPU, NCCL on CUDA), sent in the sender's order and received in that same order by a
+// thread per incoming channel into the rank's mailbox. A stage that throws sends its error in
+// place of every message it still owed, so every rank ends the step with it; the ranks then agree
+// on failure before summing the loss and the tied copies' gradients (a parameter used on several
+// ranks has a copy on each) over the process group.
 //
 // A stage keeps each block's own autograd graph from its forward to its backward (no
 // recomputation) and takes gradients from it explicitly (strategies/checkpoint.h), so B, I (input
@@ -22,6 +31,7 @@
 
 #include "strategies/checkpoint.h"
 #include "strategies/device/device.h"
+#include "strategies/distributed/process_group.h"
 #include "strategies/pipeline/schedule.h"
 #include "strategies/strategy.h"
 
@@ -37,6 +47,7 @@ struct PipelineOptions {
   std::vector<int64_t> balance;        ///< blocks per stage (ranks x virtual_stages entries); empty: by parameter bytes
   bool replicate_tied = false;         ///< replicas of shared parameters even where the devices agree (tests the swap)
   bool debug_skip_waits = false;       ///< a receiver does not wait for the sender's event: a deliberate bug (tests)
+  bool time_actions = false;           ///< time every action (events on CUDA), for last_costs() and the simulator
 
   static PipelineOptions parse(const std::map<std::string, std::string>& options);
   void validate() const;
@@ -68,6 +79,12 @@ class Pipeline : public Strategy {
   const std::vector<int>& peak_in_flight() const { return peak_in_flight_; }
   /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
   double max_replica_drift();
+  /// With time_actions: each stage's mean time per action kind in the last train_step (ms; every
+  /// rank's stages, across processes too). The simulator's input for this schedule's ideal step.
+  const pipeline::Costs& last_costs() const { return last_costs_; }
+  /// With time_actions: the last step's schedule simulated under last_costs(), no transfer time:
+  /// what forward + backward would take if only the measured compute counted.
+  double simulated_ms() const;
 
  protected:
   void attach_model(models::BlockModel model) override;
@@ -107,6 +124,23 @@ class Pipeline : public Strategy {
   std::vector<OptimizerState> optimizer_state_;
   std::vector<int> peak_in_flight_;
   int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
+  pipeline::Costs last_costs_;
+  void record_costs(Run& run);
+
+  // c10d transport: launched as several processes, this process runs rank my_rank_ alone.
+  bool c10d_ = false;
+  int my_rank_ = 0;
+  std::shared_ptr<distributed::Group> group_;
+  std::vector<int64_t> buffer_stage_;  ///< buffer -> the stage whose device holds it (-1: none)
+  std::map<int, device::Stream> receive_streams_;  ///< peer -> the stream its messages arrive on
+  bool local_stage(int64_t stage) const { return !c10d_ || schedule_.rank_of(static_cast<int>(stage)) == my_rank_; }
+  std::vector<bool> local_params() const;
+  std::shared_ptr<distributed::Channel> channel_to(int rank, bool outgoing) const;
+  void send_remote(Run& run, int to_stage, const torch::Tensor& t);
+  void fail_remaining(Run& run, size_t from_action);
+  void receive_from(Run& run, int peer);
+  void finish_remote_step(Run& run);
+  NamedTensors gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int>& owner);
 };
 
 }  // namespace strata

@@ -1,0 +1,145 @@
+// The pipeline strategies across processes (the c10d transport): every test runs in every rank of
+// a job that strategies/distributed/launch.py (or torchrun) starts, one pipeline rank per process,
+// activations and gradients over a channel per direction between neighbouring ranks. Each rank
+// checks the same cases in the same order: the loss, gradients and parameters every rank returns
+// against the single-process baseline on the whole batch. CTest starts them with 2 and 3 ranks on
+// the CPU (Gloo) and with 2 on two GPUs (NCCL).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+
+#include <atomic>
+
+#include "correctness/support/errors.h"
+#include "correctness/support/failing_block.h"
+#include "correctness/support/generators.h"
+#include "correctness/support/test_device.h"
+#include "strategies/distributed/process_group.h"
+#include "strategies/pipeline/pipeline.h"
+
+namespace strata {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<std::string> kPipelines = {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved",
+                                             "pipeline_zero_bubble"};
+
+int world() { return distributed::environment().world_size; }
+int rank() { return distributed::environment().rank; }
+
+int64_t count(const std::string& list) { return list.empty() ? 0 : std::count(list.begin(), list.end(), ',') + 1; }
+
+// The registry's generated pipeline cases whose rank count is this job's world: the processes are
+// the ranks, so the in-process options (devices, replicas on one device) are dropped.
+rc::Gen<correctness::ParityCase> gen_case_over_ranks(const std::string& strategy) {
+  auto over_world = rc::gen::suchThat(correctness::gen_parity_case(strategy, {test::device().str()}),
+                                      [](const correctness::ParityCase& c) { return count(c.options.at("devices")) == world(); });
+  return rc::gen::map(over_world, [](correctness::ParityCase c) {
+    c.options.erase("devices");
+    c.options.erase("replicate_tied");
+    return c;
+  });
+}
+
+TEST(DistributedPipeline, prop_matches_the_baseline_over_the_ranks) {
+  for (const auto& strategy : kPipelines) {
+    const bool ok = rc::check(strategy + " over " + std::to_string(world()) + " processes", [&] {
+      const auto c = *gen_case_over_ranks(strategy);
+      const auto r = correctness::check_parity(strategy, c, test::device());
+      if (!r.ok) RC_FAIL(r.message);
+    });
+    EXPECT_TRUE(ok) << strategy;
+  }
+}
+
+// The GPT's tied embedding and head on the first and last ranks (a copy on each, gradients summed
+// over them), an even and an uneven split of the batch, and the CPU's delays on one rank's
+// compute and on every send.
+TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed) {
+  using namespace std::chrono_literals;
+  for (const auto& strategy : kPipelines) {
+    const bool interleaved = strategy == "pipeline_interleaved";
+    for (const int64_t batch : {int64_t{2} * world(), int64_t{2} * world() + 1}) {
+      correctness::ParityCase c;
+      c.model = models::preset("gpt-tiny").config;
+      c.model.depth = 2 * world();  // depth + 2 blocks: enough for 2 virtual stages per rank
+      c.batch_size = batch;
+      c.steps = 2;
+      c.options = {{"micro_batches", std::to_string(interleaved ? world() : batch - 1)}};
+      if (interleaved) c.options["virtual_stages"] = "2";
+      const auto r = correctness::check_parity(strategy, c, test::device());
+      EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
+    }
+    device::ScopedDelays delays({2ms, 2ms, 0ms});
+    correctness::ParityCase c;
+    c.model = models::preset("gpt-tiny").config;
+    c.batch_size = 2 * world();
+    c.steps = 1;
+    c.options = {{"micro_batches", std::to_string(2 * world())}};
+    const auto r = correctness::check_parity(strategy, c, test::device());
+    EXPECT_TRUE(r.ok) << strategy << " with delays: " << r.message;
+  }
+}
+
+// A stage that throws on one rank ends the step on every rank with its error (its neighbours get
+// it over their channels, the rest from them in turn), and the next step runs normally: every
+// channel was drained in its order.
+TEST(DistributedPipeline, a_stage_that_throws_ends_the_step_on_every_rank_with_its_error) {
+  models::ModelConfig config;
+  config.kind = models::ModelKind::mlp;
+  config.in_features = 4;
+  config.classes = 3;
+  std::vector<std::shared_ptr<test::FailingBlock>> failing;
+  std::vector<std::shared_ptr<models::Block>> blocks;
+  for (int r = 0; r < world(); ++r) {
+    failing.push_back(std::make_shared<test::FailingBlock>(4));
+    blocks.push_back(failing.back());
+  }
+  blocks.push_back(std::make_shared<test::LinearHead>(4, 3));  // on the last rank, with its Failing block
+  const auto batch = models::Batch{torch::randn({6, 4}, torch::Generator(at::detail::createCPUGenerator(7))),
+                                   torch::arange(6, torch::kLong) % 3};
+  const int culprit = world() / 2;  // the middle rank of 3 (rank 1 of 2)
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    StrategyConfig sc;
+    sc.device = test::device();
+    std::string balance;  // one Failing block per rank, the head with the last
+    for (int r = 0; r + 1 < world(); ++r) balance += "1,";
+    Pipeline p("pipeline", sc, PipelineOptions::parse({{"micro_batches", "3"}, {"schedule", schedule}, {"balance", balance + "2"}}));
+    for (auto& f : failing) {
+      f->calls = 0;
+      f->fail_after = -1;
+    }
+    failing[static_cast<size_t>(culprit)]->fail_after = 1;  // its second micro-batch's forward
+    p.attach(models::BlockModel(config, blocks));
+    const auto message = test::error_of([&] { p.train_step(batch); });
+    EXPECT_THAT(message, HasSubstr("failure injected in a stage")) << schedule << " on rank " << rank();
+    EXPECT_THAT(message, HasSubstr("rank " + std::to_string(culprit))) << schedule << " on rank " << rank();
+    failing[static_cast<size_t>(culprit)]->fail_after = -1;
+    double loss = 0;
+    EXPECT_NO_THROW(loss = p.train_step(batch)) << schedule << " on rank " << rank();
+    EXPECT_TRUE(std::isfinite(loss)) << schedule;
+  }
+}
+
+TEST(DistributedPipeline, ranks_with_different_models_are_refused_on_every_rank) {
+  auto config = models::preset("gpt-tiny").config;
+  config.depth = world();
+  if (rank() == world() - 1) config.width = 16;  // the last rank builds another model
+  StrategyConfig sc;
+  sc.device = test::device();
+  Pipeline p("pipeline_1f1b", sc, PipelineOptions::parse({}));
+  EXPECT_THAT(test::error_of([&] { p.attach(models::build_model(config, 0)); }),
+              HasSubstr("pipeline_1f1b attach: rank " + std::to_string(world() - 1) + " has"));
+}
+
+TEST(DistributedPipeline, in_process_options_are_refused_naming_them) {
+  StrategyConfig sc;
+  sc.device = test::device();
+  Pipeline p("pipeline_1f1b", sc, PipelineOptions::parse({{"devices", "cpu,cpu"}}));
+  EXPECT_THAT(test::error_of([&] { p.attach(models::build_model(models::preset("gpt-tiny").config, 0)); }),
+              HasSubstr("launched as " + std::to_string(world()) + " processes"));
+}
+
+}  // namespace
+}  // namespace strata
