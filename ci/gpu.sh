@@ -95,18 +95,16 @@ if [ "$gpu_count" -gt 1 ]; then
     cell_files+=("$outdir/bench-2gpu-$tag.json")
     bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} ${cell#*|}"
   done
-  # The sharded strategy and the pipelines over every GPU, one process each (time: the slowest
-  # rank; peak: per rank); the pipelines time their actions for the simulator's ideal step.
-  echo "ci/gpu.sh: sharded and pipelines over $gpu_count GPUs as processes"
-  for cell in "sharded|--strategies=sharded,sharded_offload" "sharded-keep|--strategies=sharded --options=activations=keep" \
-              "pipeline|--strategies=pipeline_gpipe,pipeline_1f1b,pipeline_interleaved,pipeline_zero_bubble --options=micro_batches=8;time_actions=1"; do
+  # The sharded strategy over every GPU, one rank each (time: the slowest rank; peak: per rank).
+  echo "ci/gpu.sh: sharded over $gpu_count GPUs"
+  for cell in "sharded|--strategies=sharded,sharded_offload" "sharded-keep|--strategies=sharded --options=activations=keep"; do
     tag=${cell%%|*}
     read -r -a cell_args <<< "${cell#*|}"
     NCCL_NVLS_ENABLE=0 python3 strategies/distributed/launch.py --nproc="$gpu_count" --timeout=1200 -- \
       ./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} \
       --models=gpt-871m "${cell_args[@]}" --benchmark_out="$outdir/bench-x$gpu_count-$tag.json" --benchmark_out_format=json \
       > "$outdir/bench-x$gpu_count-$tag.txt" 2>&1 || status=1
-    grep -E "^\[rank 0\] (sharded|pipeline)" "$outdir/bench-x$gpu_count-$tag.txt" | cut -c1-160
+    grep -E "^\[rank 0\] sharded" "$outdir/bench-x$gpu_count-$tag.txt" | cut -c1-160
     cell_files+=("$outdir/bench-x$gpu_count-$tag.json")
     bench_command+="; launch.py --nproc=$gpu_count -- strata_bench --device=cuda:0 --benchmark_repetitions=$reps --models=gpt-871m ${cell#*|}"
   done
@@ -125,11 +123,9 @@ echo "ci/gpu.sh: PyTorch peers"
 PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --offload-py="$offload_py" \
   --steps=3 --out="$outdir/peers.json" 2>&1 | tee "$outdir/peers.txt" || { echo "ci/gpu.sh: a peer failed"; status=1; }
 if [ "$gpu_count" -gt 1 ]; then
-  # PyTorch's data-parallel peers (DDP, FSDP2, FSDP2 + CPUOffloadPolicy) and pipeline schedules
-  # (torch.distributed.pipelining) over the same GPUs.
+  # PyTorch's data-parallel peers (DDP, FSDP2, FSDP2 + CPUOffloadPolicy) over the same GPUs.
   NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node="$gpu_count" bench/peers.py \
-    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --micro-batches=8 --out="$outdir/peers-x$gpu_count.json" \
-    --peers=ddp,fsdp2,fsdp2_cpu_offload,torch_pp_gpipe,torch_pp_1f1b,torch_pp_interleaved,torch_pp_zbv 2>&1 \
+    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --out="$outdir/peers-x$gpu_count.json" 2>&1 \
     | tee "$outdir/peers-x$gpu_count.txt" || { echo "ci/gpu.sh: a data-parallel peer failed"; status=1; }
   python3 - "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" <<'PY' || status=1
 import json, sys

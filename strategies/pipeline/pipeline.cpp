@@ -370,12 +370,21 @@ void Pipeline::attach_model(models::BlockModel model) {
       links.insert({a, b});
       links.insert({b, a});
     }
+    // Each channel also carries one empty message here, in that order: NCCL makes a channel's
+    // communicator at its first message, and a communicator made while another channel's transfer
+    // is in flight can wait on it forever (seen: both ranks stuck in the first step); made here,
+    // one at a time, every later message finds its communicator ready.
     const auto mine = rank_devices_[my_rank_];
     for (const auto& [from, to] : links) {
       if (from != my_rank_ && to != my_rank_) continue;
-      distributed::channel(mine, from, to);
-      if (to == my_rank_)
+      auto ch = distributed::channel(mine, from, to);
+      if (from == my_rank_) {
+        ch->send(torch::Tensor()).wait();
+      } else {
+        ch->receive();
         receive_streams_.emplace(from, mine.is_cuda() ? device::Stream::side(mine) : device::Stream::compute(mine));
+      }
+      device::synchronize(mine);
     }
   }
 }
@@ -678,14 +687,27 @@ double Pipeline::train_step(const models::Batch& batch) {
   for (size_t r = 0; r < rank_devices_.size(); ++r)
     if (rank_devices_[r].is_cuda()) run.rank_stream[r].wait(device::Stream::compute(rank_devices_[r]).record());
 
-  std::vector<std::thread> threads;
+  // Workers: key r >= 0 runs rank r's actions; key -1 - q receives what rank q sends this process.
+  auto worker = [this](int key) -> device::HostQueue& {
+    auto& w = workers_[key];
+    if (!w) w = std::make_unique<device::HostQueue>();
+    return *w;
+  };
+  std::vector<device::HostQueue*> busy;
   if (c10d_) {  // this process's rank, and a receiver per rank that sends it anything
-    threads.emplace_back([this, &run] { run_rank(run, my_rank_); });
-    for (auto& [peer, stream] : receive_streams_) threads.emplace_back([this, &run, peer = peer] { receive_from(run, peer); });
+    busy.push_back(&worker(my_rank_));
+    busy.back()->submit([this, &run] { run_rank(run, my_rank_); });
+    for (auto& [peer, stream] : receive_streams_) {
+      busy.push_back(&worker(-1 - peer));
+      busy.back()->submit([this, &run, peer = peer] { receive_from(run, peer); });
+    }
   } else {
-    for (int r = 0; r < schedule_.ranks; ++r) threads.emplace_back([this, &run, r] { run_rank(run, r); });
+    for (int r = 0; r < schedule_.ranks; ++r) {
+      busy.push_back(&worker(r));
+      busy.back()->submit([this, &run, r] { run_rank(run, r); });
+    }
   }
-  for (auto& t : threads) t.join();
+  for (auto* w : busy) w->drain();  // run_rank and receive_from catch their own errors
   if (c10d_) {
     device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
     finish_remote_step(run);

@@ -26,6 +26,8 @@
 // home stage (its first user) and has a replica on each other device that uses it; a block using
 // it runs with the replica's data swapped in under a lock the parameter's other users take too, its
 // gradients are summed into the home before the step and the replicas re-synced after it.
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -112,6 +114,10 @@ class Pipeline : public Strategy {
   /// Each rank's stream, chosen once: cuBLAS caches a workspace for every stream a matmul ran on,
   /// so a fresh stream per step would leave 32 MiB more allocated per step until the pool cycles.
   std::vector<device::Stream> rank_streams_;
+  /// Each rank's worker thread (and, across processes, each incoming channel's), for the
+  /// strategy's life: a thread keeps its cuBLAS handle, so with the streams above the set of
+  /// (handle, stream) workspaces is fixed after the first step.
+  std::map<int, std::unique_ptr<device::HostQueue>> workers_;
   int64_t virtual_stages_ = 1;
   std::vector<int64_t> balance_;
   std::vector<int64_t> first_block_;                    ///< stage -> its first block (stages + 1 entries)
