@@ -38,6 +38,7 @@ rc::Gen<correctness::ParityCase> gen_case_over_ranks(const std::string& strategy
   return rc::gen::map(over_world, [](correctness::ParityCase c) {
     c.options.erase("devices");
     c.options.erase("replicate_tied");
+    c.options["ranks"] = std::to_string(world());  // outside a launch (a world of one): one rank here too
     return c;
   });
 }

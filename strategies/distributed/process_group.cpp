@@ -119,6 +119,23 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Environment& env) {
                : c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// Waits for c10d work that `start` starts (or has started). NCCL: wait() without a timeout only
+// makes the current stream wait (the watchdog enforces the group's timeout); with one it would
+// block the host. Gloo: block, up to the timeout. Failures become an Error naming `where()`.
+void wait_work(const std::function<c10::intrusive_ptr<c10d::Work>()>& start, const std::string& backend,
+               std::chrono::milliseconds timeout, const std::function<std::string()>& where) {
+  try {
+    auto work = start();
+    if (backend == "nccl")
+      work->wait();
+    else
+      work->wait(timeout);
+  } catch (const std::exception& e) {
+    STRATA_FAIL("distributed: " << where() << " (" << backend << ") failed or timed out after "
+                                << timeout.count() / 1000 << " s: " << e.what());
+  }
+}
+
 class C10dGroup : public Group {
  public:
   C10dGroup(std::string backend, torch::Device device)
@@ -255,18 +272,9 @@ class C10dGroup : public Group {
     const int rank = rank_, size = size_;
     const std::string backend = backend_;
     return Work([started, after, timeout, rank, size, backend, what] {
-      try {
-        auto work = started();
-        // NCCL: wait() without a timeout only makes the current stream wait (the watchdog enforces
-        // the group's timeout); with one it would block the host. Gloo: block, up to the timeout.
-        if (backend == "nccl")
-          work->wait();
-        else
-          work->wait(timeout);
-      } catch (const std::exception& e) {
-        STRATA_FAIL("distributed: " << what << " on rank " << rank << " of " << size << " (" << backend
-                                    << ") failed or timed out after " << timeout.count() / 1000 << " s: " << e.what());
-      }
+      wait_work(started, backend, timeout, [&] {
+        return std::string(what) + " on rank " + std::to_string(rank) + " of " + std::to_string(size);
+      });
       if (after) after();
     });
   }
@@ -395,17 +403,10 @@ class C10dChannel : public Channel {
     }
   }
 
-  // NCCL: the current stream waits (the watchdog enforces the timeout); Gloo: block, up to it.
   void wait(const char* what, const c10::intrusive_ptr<c10d::Work>& w) const {
-    try {
-      if (backend_ == "nccl")
-        w->wait();
-      else
-        w->wait(timeout_);
-    } catch (const std::exception& e) {
-      STRATA_FAIL("distributed: " << what << " on the channel " << from_ << " -> " << to_ << " (" << backend_
-                                  << ") failed or timed out after " << timeout_.count() / 1000 << " s: " << e.what());
-    }
+    wait_work([&] { return w; }, backend_, timeout_, [&] {
+      return std::string(what) + " on the channel " + std::to_string(from_) + " -> " + std::to_string(to_);
+    });
   }
 
   std::string backend_;

@@ -328,11 +328,18 @@ void Pipeline::attach_model(models::BlockModel model) {
     // Across processes, a parameter goes to this rank's device if a stage here uses it (a shared
     // one used on several ranks is a copy on each, kept equal by summing its gradient over them);
     // the others stay on the host, unused.
-    std::vector<bool> here(params.size(), !c10d_);
-    if (c10d_)
+    auto& here = local_param_;
+    here.assign(params.size(), !c10d_);
+    shared_param_.assign(params.size(), false);
+    if (c10d_) {
+      std::vector<std::set<int>> users(params.size());
       for (int64_t b = 0; b < n; ++b)
-        if (local_stage(stage_of[b]))
-          for (auto i : block_params_[b]) here[i] = true;
+        for (auto i : block_params_[b]) {
+          users[i].insert(schedule_.rank_of(static_cast<int>(stage_of[b])));
+          if (local_stage(stage_of[b])) here[i] = true;
+        }
+      for (size_t i = 0; i < params.size(); ++i) shared_param_[i] = params[i].tensor.requires_grad() && users[i].size() > 1;
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       auto& t = params[i].tensor;
       if (home_stage_[i] >= 0 && here[i]) t.set_data(t.data().to(c10d_ ? rank_devices_[my_rank_] : device_of_stage(home_stage_[i])));
@@ -420,16 +427,6 @@ double Pipeline::simulated_ms() const {
                    static_cast<int>(last_costs_.stages.size()) == schedule_.num_stages(),
                name_ << ": simulated_ms() needs time_actions=1 and a train_step");
   return pipeline::simulate(schedule_, last_costs_).makespan;
-}
-
-std::vector<bool> Pipeline::local_params() const {
-  std::vector<bool> here(grads_.size(), !c10d_);
-  if (!c10d_) return here;
-  for (int64_t s = 0; s < schedule_.num_stages(); ++s)
-    if (local_stage(s))
-      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
-        for (auto i : block_params_[b]) here[i] = true;
-  return here;
 }
 
 std::shared_ptr<distributed::Channel> Pipeline::channel_to(int rank, bool outgoing) const {
@@ -724,14 +721,7 @@ double Pipeline::train_step(const models::Batch& batch) {
   // added, so every copy takes the same step.
   torch::NoGradGuard no_grad;
   const auto& params = m.parameters();
-  std::vector<bool> shared(params.size(), false);
-  if (c10d_) {
-    std::vector<std::set<int>> users(params.size());
-    for (int64_t s = 0; s < stages; ++s)
-      for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b)
-        for (auto i : block_params_[b]) users[i].insert(schedule_.rank_of(static_cast<int>(s)));
-    for (size_t i = 0; i < params.size(); ++i) shared[i] = params[i].tensor.requires_grad() && users[i].size() > 1;
-  }
+  const auto& shared = shared_param_;
   std::vector<torch::Tensor> step(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].tensor.requires_grad()) continue;
@@ -752,7 +742,7 @@ double Pipeline::train_step(const models::Batch& batch) {
   auto total = torch::tensor({loss}, torch::TensorOptions().dtype(torch::kFloat64).device(dev));
   group_->all_reduce(total).wait();
   loss = total.item<double>();
-  const auto here = local_params();
+  const auto& here = local_param_;
   std::vector<size_t> summed;
   std::vector<torch::Tensor> parts;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -854,13 +844,15 @@ double Pipeline::max_replica_drift() {
   return drift;
 }
 
-// Across processes: each tensor from the rank that owns it (`owner`), the same on every rank.
-NamedTensors Pipeline::gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int>& owner) {
+// Across processes: each tensor from the rank of its `stage` (rank 0 where none uses it), the same on
+// every rank.
+NamedTensors Pipeline::gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int64_t>& stage) {
   const auto dev = rank_devices_[my_rank_];
   std::vector<torch::Tensor> parts;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i].tensor;
-    parts.push_back(owner[i] == my_rank_ ? t.detach().to(dev, torch::kFloat64).reshape(-1)
+    const int owner = stage[i] >= 0 ? schedule_.rank_of(static_cast<int>(stage[i])) : 0;
+    parts.push_back(owner == my_rank_ ? t.detach().to(dev, torch::kFloat64).reshape(-1)
                                          : torch::zeros({t.numel()}, torch::TensorOptions().dtype(torch::kFloat64).device(dev)));
   }
   NamedTensors out;
@@ -881,13 +873,11 @@ NamedTensors Pipeline::gradients() {
   const auto& params = model().parameters();
   if (c10d_) {  // every parameter's gradient from its home rank (shared ones are equal on every holder)
     std::vector<models::NamedParameter> grads;
-    std::vector<int> owner;
     for (size_t i = 0; i < params.size(); ++i) {
       auto g = grads_[i].defined() ? grads_[i] : torch::zeros(params[i].tensor.sizes(), params[i].tensor.options());
       grads.push_back({params[i].name, g, params[i].owner_block});
-      owner.push_back(home_stage_[i] >= 0 ? schedule_.rank_of(static_cast<int>(home_stage_[i])) : 0);
     }
-    return gather(grads, owner);
+    return gather(grads, home_stage_);
   }
   NamedTensors out;
   for (size_t i = 0; i < params.size(); ++i)
@@ -898,18 +888,12 @@ NamedTensors Pipeline::gradients() {
 
 NamedTensors Pipeline::parameters() {
   const auto& params = model().parameters();
-  if (!c10d_) return host_copies(params);
-  std::vector<int> owner;
-  for (auto s : home_stage_) owner.push_back(s >= 0 ? schedule_.rank_of(static_cast<int>(s)) : 0);
-  return gather(params, owner);
+  return c10d_ ? gather(params, home_stage_) : host_copies(params);
 }
 
 NamedTensors Pipeline::buffers() {
   const auto& buffers = model().buffers();
-  if (!c10d_) return host_copies(buffers);
-  std::vector<int> owner;
-  for (auto s : buffer_stage_) owner.push_back(s >= 0 ? schedule_.rank_of(static_cast<int>(s)) : 0);
-  return gather(buffers, owner);
+  return c10d_ ? gather(buffers, buffer_stage_) : host_copies(buffers);
 }
 
 Stats Pipeline::stats() {

@@ -140,13 +140,14 @@ class Pipeline : public Strategy {
   std::vector<int64_t> buffer_stage_;  ///< buffer -> the stage whose device holds it (-1: none)
   std::map<int, device::Stream> receive_streams_;  ///< peer -> the stream its messages arrive on
   bool local_stage(int64_t stage) const { return !c10d_ || schedule_.rank_of(static_cast<int>(stage)) == my_rank_; }
-  std::vector<bool> local_params() const;
+  std::vector<bool> local_param_;   ///< parameter -> used by a stage of this process (all, in one process)
+  std::vector<bool> shared_param_;  ///< parameter -> trained and used on several ranks' processes
   std::shared_ptr<distributed::Channel> channel_to(int rank, bool outgoing) const;
   void send_remote(Run& run, int to_stage, const torch::Tensor& t);
   void fail_remaining(Run& run, size_t from_action);
   void receive_from(Run& run, int peer);
   void finish_remote_step(Run& run);
-  NamedTensors gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int>& owner);
+  NamedTensors gather(const std::vector<models::NamedParameter>& tensors, const std::vector<int64_t>& stage);
 };
 
 }  // namespace strata
