@@ -9,6 +9,7 @@
 #include "models/model.h"
 #include "strategies/device/device.h"
 #include "strategies/options.h"
+#include "strategies/pipeline/pipeline.h"
 #include "strategies/strategy.h"
 
 namespace strata::bench {
@@ -32,9 +33,15 @@ inline correctness::ParityResult check_before_timing(const std::string& strategy
   correctness::ParityCase small;
   small.model = parity_model_for(config);
   small.options = options;
-  // A pipeline's micro-batches need a sample each.
+  // A pipeline's micro-batches need a sample each (a custom schedule's count is in its text).
   if (auto m = options.find("micro_batches"); m != options.end())
     small.batch_size = std::max<int64_t>(small.batch_size, std::stoll(m->second));
+  if (options.count("schedule_text") || options.count("schedule_file")) {
+    auto custom = options;
+    custom["schedule"] = "custom";
+    small.batch_size = std::max<int64_t>(small.batch_size,
+                                         pipeline::parse(PipelineOptions::parse(custom).schedule_text).micro_batches);
+  }
   return correctness::check_parity(strategy, small, device);
 }
 

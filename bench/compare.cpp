@@ -79,7 +79,7 @@ int run(int argc, char** argv) {
     preset.config.validate();
   }
   const int64_t batch_size = args.batch > 0 ? args.batch : preset.batch_size;
-  if (args.strategies.empty()) args.strategies = Registry::names();
+  if (args.strategies.empty()) args.strategies = Registry::default_names();
   for (const auto& s : args.strategies) Registry::description(s);  // unknown names fail before any work
 
   at::globalContext().setAllowTF32CuBLAS(args.tf32);  // timing runs as users train: TF32 on by default

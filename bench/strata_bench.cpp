@@ -340,8 +340,8 @@ int run(int argc, char** argv) {
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--list-strategies") {  // for scripts: the registered names, one per line
-      for (const auto& name : Registry::names()) std::printf("%s\n", name.c_str());
+    if (arg == "--list-strategies") {  // for scripts: what a run without --strategies covers, one per line
+      for (const auto& name : Registry::default_names()) std::printf("%s\n", name.c_str());
       return 0;
     }
     auto value = [&](const std::string& key) -> std::optional<std::string> {
@@ -369,7 +369,7 @@ int run(int argc, char** argv) {
   if (s.models.empty())
     s.models = s.device.is_cuda() ? std::vector<std::string>{"gpt-medium", "gpt-871m"}
                                   : std::vector<std::string>{"mlp-tiny", "gpt-tiny", "bert-tiny"};
-  if (s.strategies.empty()) s.strategies = Registry::names();
+  if (s.strategies.empty()) s.strategies = Registry::default_names();
   for (const auto& m : s.models) models::preset(m);           // unknown names fail before any work
   for (const auto& st : s.strategies) Registry::description(st);
   at::globalContext().setAllowTF32CuBLAS(true);

@@ -94,6 +94,7 @@ TEST(Errors, using_a_strategy_before_attach_is_an_error_for_every_strategy) {
   for (const auto& name : Registry::names()) {
     StrategyConfig c;
     c.device = test::device();
+    c.options = Registry::required_options(name);
     auto s = Registry::create(name, c);
     auto batch = models::make_batch(models::preset("gpt-tiny").config, 1, 0);
     EXPECT_THAT(error_of([&] { s->train_step(batch); }), HasSubstr("attach")) << name;

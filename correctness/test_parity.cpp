@@ -29,6 +29,7 @@ class Parity : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Strategy> attached(const models::ModelConfig& model, uint64_t seed = 1) {
     StrategyConfig config;
     config.device = test::device();
+    config.options = Registry::required_options(GetParam());
     auto s = Registry::create(GetParam(), config);
     s->attach(models::build_model(model, seed));
     return s;

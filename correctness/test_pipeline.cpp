@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <fstream>
 
 #include "correctness/support/errors.h"
 #include "correctness/support/failing_block.h"
@@ -228,6 +229,61 @@ TEST(Pipeline, steps_leave_allocated_memory_steady) {
     fresh.synchronize();
   }
   EXPECT_GT(device::allocator_stats(dev).allocated, before + a.nbytes()) << "the control's growth went unseen";
+}
+
+// A schedule written by hand in a file (comments, a rank that runs ahead, forwards and backwards
+// out of micro-batch order, one backward split into I and W) runs through pipeline_custom and matches the
+// baseline; the strategy runs exactly the file's actions.
+TEST(Pipeline, a_hand_written_schedule_file_runs_and_matches_the_baseline) {
+  const std::string rank1 = "F0 F1 I1 B0 W1 F2 B2";
+  const std::string file = testing::TempDir() + "strata_hand_written_schedule.txt";
+  {
+    std::ofstream out(file);
+    out << "# two ranks, three micro-batches\n"
+        << "F1 F0 F2 B1 B0 B2   # rank 0: every forward first, micro-batch 1 leading\n"
+        << rank1 << "          # rank 1: micro-batch 1's backward split, its W after B0\n";
+  }
+  correctness::ParityCase c;
+  c.model = gpt(2, true);  // 4 blocks: the tied embedding and head on different ranks
+  c.batch_size = 5;        // three micro-batches of 2, 2 and 1 samples
+  c.seed = 9;
+  c.options = {{"schedule_file", file}, {"devices", devices(2)}};
+  const auto r = correctness::check_parity("pipeline_custom", c, test::device());
+  EXPECT_TRUE(r.ok) << r.message;
+
+  StrategyConfig config;
+  config.device = test::device();
+  config.options = c.options;
+  auto s = Registry::create("pipeline_custom", config);
+  s->attach(models::build_model(c.model, 1));
+  s->train_step(models::make_batch(c.model, 5, 2));
+  const auto& run = dynamic_cast<Pipeline&>(*s).schedule();
+  EXPECT_EQ(pipeline::to_text(run), "F1 F0 F2 B1 B0 B2\n" + rank1 + "\n");
+}
+
+TEST(Pipeline, a_custom_schedule_refuses_what_it_cannot_run_naming_it) {
+  const std::string missing = testing::TempDir() + "strata_no_such_schedule.txt";
+  EXPECT_THAT(error_of([&] { make_pipeline({{"schedule", "custom"}, {"schedule_file", missing}}); }),
+              HasSubstr("schedule_file=" + missing + " cannot be read"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}}); }), HasSubstr("needs the schedule"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule_text", "F0 B0"}}); }), HasSubstr("go with schedule=custom"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0 B0"}, {"micro_batches", "2"}}); }),
+              HasSubstr("leave out virtual_stages=0 and micro_batches=2"));
+  // Deadlocks and malformed tokens are refused when the strategy is built, with the validator's words.
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,B0,F1,B1/F1,B1,F0,B0"}}); }),
+              HasSubstr("not runnable: schedule deadlocks"));
+  EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,X0/F0,B0"}}); }),
+              HasSubstr("rank 0 token 1 'X0': unknown op"));
+  // Ranks: the text's lines against the devices; micro-batches against the batch.
+  const auto model = gpt(2, false);
+  auto p = make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,F1,B0,B1/F0,B0,F1,B1"}, {"devices", devices(3)}});
+  EXPECT_THAT(error_of([&] { p->attach(models::build_model(model, 0)); }),
+              HasSubstr("the custom schedule has 2 rank lines but the strategy runs 3 ranks"));
+  auto q = make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,F1,B0,B1/F0,B0,F1,B1"}});
+  q->attach(models::build_model(model, 0));
+  EXPECT_THAT(error_of([&] { q->train_step(models::make_batch(model, 1, 1)); }),
+              HasSubstr("a batch of 1 samples cannot be split into the 2 micro-batches of the custom schedule"));
+  EXPECT_EQ(q->schedule().ranks, 2);
 }
 
 // Stages on two GPUs: activations and gradients cross devices between streams, the tied embedding

@@ -97,6 +97,13 @@ TEST(Schedule, prop_every_generated_schedule_validates_and_round_trips_through_t
     RC_ASSERT(back.micro_batches == s.micro_batches);
     RC_ASSERT(back.actions == s.actions);
     RC_ASSERT(to_text(back) == text);
+    // Written by hand: ranks and stages read off the text, in the option form too.
+    const Schedule inferred = parse(text);
+    RC_ASSERT(inferred.ranks == c.p && inferred.virtual_stages == c.v && inferred.actions == s.actions);
+    std::string option_form = text;
+    std::replace(option_form.begin(), option_form.end(), '\n', '/');
+    std::replace(option_form.begin(), option_form.end(), ' ', ',');
+    RC_ASSERT(parse(option_form).actions == s.actions);
   }));
 }
 
@@ -374,6 +381,22 @@ TEST(Schedule, malformed_text_names_the_rank_and_token) {
   EXPECT_THAT(error_of([] { parse("F0 B0.s", 1, 1); }), HasSubstr("'B0.s': bad stage number"));
   EXPECT_THAT(error_of([] { parse("F0.s0 F0", 1, 2); }), HasSubstr("'F0': needs the stage"));
   EXPECT_THAT(error_of([] { parse("F0x", 1, 1); }), HasSubstr("unexpected characters"));
+  EXPECT_THAT(error_of([] { parse("# nothing but a comment\n\n"); }), HasSubstr("no rank lines"));
+  EXPECT_THAT(error_of([] { parse("F0.s0 F0.s2 B0.s2 B0.s0\nF0.s1 B0.s1"); }),
+              HasSubstr("3 stages do not divide over 2 ranks"));
+}
+
+TEST(Schedule, hand_written_text_reads_its_ranks_stages_and_comments) {
+  const Schedule s = parse("# rank 0 runs ahead\nF0 F1 F2 B0 B1 B2   # GPipe-like\n\nF0 B0 F1 B1 F2 B2\n");
+  EXPECT_EQ(s.ranks, 2);
+  EXPECT_EQ(s.virtual_stages, 1);
+  EXPECT_EQ(s.micro_batches, 3);
+  EXPECT_EQ(to_text(s), "F0 F1 F2 B0 B1 B2\nF0 B0 F1 B1 F2 B2\n");
+  validate(s);
+  const Schedule interleaved = parse("F0.s0,F0.s2,B0.s2,B0.s0/F0.s1,F0.s3,B0.s3,B0.s1");
+  EXPECT_EQ(interleaved.ranks, 2);
+  EXPECT_EQ(interleaved.virtual_stages, 2);
+  validate(interleaved);
 }
 
 }  // namespace

@@ -104,18 +104,27 @@ using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyCo
 /// Strategies by name. Each strategy registers itself with one STRATA_REGISTER_STRATEGY line.
 class Registry {
  public:
-  /// Adds a strategy; a name registered twice is an Error.
-  static void add(const std::string& name, const std::string& description, StrategyFactory factory);
+  /// Adds a strategy; a name registered twice is an Error. `required` names options the strategy
+  /// cannot run without, with example values (e.g. a hand-written schedule): tests and the default
+  /// benchmark list use those, the strategy refuses to be built without them.
+  static void add(const std::string& name, const std::string& description, StrategyFactory factory,
+                  std::map<std::string, std::string> required = {});
   /// Builds the strategy `name`; an unknown name is an Error that lists the registered ones.
   static std::unique_ptr<Strategy> create(const std::string& name, const StrategyConfig& config);
   /// Registered names, sorted.
   static std::vector<std::string> names();
+  /// Registered names of the strategies that run without options, sorted: what a benchmark runs
+  /// when none are named.
+  static std::vector<std::string> default_names();
   static std::string description(const std::string& name);
+  /// The options `name` needs, with example values; empty for a strategy that runs without options.
+  static std::map<std::string, std::string> required_options(const std::string& name);
 };
 
 struct Registrar {
-  Registrar(const std::string& name, const std::string& description, StrategyFactory factory) {
-    Registry::add(name, description, std::move(factory));
+  Registrar(const std::string& name, const std::string& description, StrategyFactory factory,
+            std::map<std::string, std::string> required = {}) {
+    Registry::add(name, description, std::move(factory), std::move(required));
   }
 };
 
@@ -124,5 +133,8 @@ struct Registrar {
 /// STRATA_REGISTER_STRATEGY("name", "what it is", [](const StrategyConfig& c) { return ...; });
 #define STRATA_REGISTER_STRATEGY(name, description, factory) \
   static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __LINE__)(name, description, factory)
+/// The same for a strategy that needs options: `required` holds them with example values.
+#define STRATA_REGISTER_STRATEGY_NEEDING(name, description, required, factory) \
+  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __LINE__)(name, description, factory, required)
 
 }  // namespace strata

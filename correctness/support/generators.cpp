@@ -1,6 +1,7 @@
 #include "correctness/support/generators.h"
 
 #include "strategies/distributed/process_group.h"
+#include "strategies/pipeline/schedule.h"
 
 namespace strata::correctness {
 
@@ -204,7 +205,63 @@ OptionsGenerator pipeline_options(bool interleaved) {
   };
 }
 
-int pipeline_micro_batches(const Options& o) { return std::stoi(o.at("micro_batches")); }
+int pipeline_micro_batches(const Options& o) {
+  return o.count("schedule_text") ? pipeline::parse(o.at("schedule_text")).micro_batches : std::stoi(o.at("micro_batches"));
+}
+
+// A schedule as a user might write it: every action of p ranks x v stages x m micro-batches (each
+// backward whole or split into I and W by `split`) in one random order that respects the
+// dependencies (F of a micro-batch stage after stage, its backward from the last stage back, W after
+// I), each rank's list that order's actions on its stages. Running the whole order in sequence is
+// an execution of the lists, so none deadlocks; beyond that the orders are arbitrary: ranks that run
+// ahead, backwards out of micro-batch order, W's long after their I's. `picks` choose among the
+// ready actions (shrinking to 0: always the first ready, a GPipe-like order).
+std::string random_schedule_text(int p, int v, int m, const std::vector<bool>& split, const std::vector<int>& picks) {
+  const int stages = p * v;
+  auto at = [&](int s, int i) { return static_cast<size_t>(s * m + i); };
+  std::vector<char> forward(static_cast<size_t>(stages * m)), backward(forward.size()), weight(forward.size());
+  std::vector<std::string> lines(static_cast<size_t>(p));
+  for (size_t k = 0;; ++k) {
+    std::vector<pipeline::Action> ready;
+    for (int s = 0; s < stages; ++s)
+      for (int i = 0; i < m; ++i) {
+        const bool is_split = split[at(s, i) % split.size()];
+        if (!forward[at(s, i)] && (s == 0 || forward[at(s - 1, i)])) ready.push_back({pipeline::Op::F, s, i});
+        if (forward[at(s, i)] && !backward[at(s, i)] && (s == stages - 1 || backward[at(s + 1, i)]))
+          ready.push_back({is_split ? pipeline::Op::I : pipeline::Op::B, s, i});
+        if (is_split && backward[at(s, i)] && !weight[at(s, i)]) ready.push_back({pipeline::Op::W, s, i});
+      }
+    if (ready.empty()) break;
+    const auto a = ready[static_cast<size_t>(k < picks.size() ? picks[k] : 0) % ready.size()];
+    (a.op == pipeline::Op::F ? forward : a.op == pipeline::Op::W ? weight : backward)[at(a.stage, a.micro)] = 1;
+    auto& line = lines[static_cast<size_t>(a.stage % p)];
+    line += (line.empty() ? "" : ",") + pipeline::token(a, /*with_stage=*/true);
+  }
+  std::string text;
+  for (size_t r = 0; r < lines.size(); ++r) text += (r ? "/" : "") + lines[r];
+  return text;
+}
+
+// pipeline_custom: a random schedule (above) over 1 to 3 ranks, 1 or 2 stages per rank, 1 to 4
+// micro-batches; balance automatic.
+rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vector<std::string>& devices) {
+  const int64_t blocks = shape.blocks;
+  return rc::gen::mapcat(uniform<int>(1, static_cast<int>(std::min<int64_t>(3, blocks)) + 1), [=](int ranks) {
+    const int max_v = static_cast<int>(std::clamp<int64_t>(blocks / ranks, 1, 2));
+    return rc::gen::apply(
+        [=](int v, int m, std::vector<bool> split, std::vector<int> picks, bool replicate) {
+          Options o;
+          std::string devs;
+          for (int r = 0; r < ranks; ++r) devs += (r ? "," : "") + devices[static_cast<size_t>(r) % devices.size()];
+          o["devices"] = devs;
+          o["schedule_text"] = random_schedule_text(ranks, v, m, split, picks);
+          o["replicate_tied"] = replicate ? "1" : "0";
+          return o;
+        },
+        uniform<int>(1, max_v + 1), uniform<int>(1, 5), rc::gen::container<std::vector<bool>>(24, rc::gen::arbitrary<bool>()),
+        rc::gen::container<std::vector<int>>(72, uniform<int>(0, 1000)), rc::gen::arbitrary<bool>());
+  });
+}
 
 }  // namespace
 
@@ -220,6 +277,7 @@ const std::map<std::string, StrategyTraits>& strategy_traits() {
       {"pipeline_1f1b", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
       {"pipeline_interleaved", {pipeline_options(true), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
       {"pipeline_zero_bubble", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
+      {"pipeline_custom", {custom_pipeline_options, {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
   };
   return all;
 }

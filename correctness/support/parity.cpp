@@ -277,7 +277,14 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
 }
 
 ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device) {
-  return check_parity([&](const StrategyConfig& config) { return Registry::create(strategy, config); }, c, device);
+  // A case without options runs a strategy that needs some with their example values.
+  return check_parity(
+      [&](const StrategyConfig& config) {
+        StrategyConfig with = config;
+        if (with.options.empty()) with.options = Registry::required_options(strategy);
+        return Registry::create(strategy, with);
+      },
+      c, device);
 }
 
 }  // namespace strata::correctness

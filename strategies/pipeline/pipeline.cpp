@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -45,6 +46,18 @@ PipelineOptions PipelineOptions::parse(const std::map<std::string, std::string>&
   OptionReader reader("pipeline", options);
   PipelineOptions o;
   o.schedule = reader.get_string("schedule", o.schedule);
+  o.schedule_text = reader.get_string("schedule_text", "");
+  const auto file = reader.get_string("schedule_file", "");
+  if (!file.empty()) {
+    STRATA_CHECK(o.schedule_text.empty(), "pipeline: give schedule_text or schedule_file, not both (schedule_file="
+                                              << file << ")");
+    std::ifstream in(file);
+    STRATA_CHECK(in, "pipeline: schedule_file=" << file << " cannot be read");
+    std::ostringstream text;
+    text << in.rdbuf();
+    o.schedule_text = text.str();
+    STRATA_CHECK(!o.schedule_text.empty(), "pipeline: schedule_file=" << file << " is empty");
+  }
   o.devices = reader.get_strings("devices", o.devices);
   o.ranks = reader.get_int("ranks", o.ranks);
   o.virtual_stages = reader.get_int("virtual_stages", o.virtual_stages);
@@ -60,8 +73,17 @@ PipelineOptions PipelineOptions::parse(const std::map<std::string, std::string>&
 }
 
 void PipelineOptions::validate() const {
-  STRATA_CHECK(schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved" || schedule == "zb-h1",
-               "pipeline: schedule='" << schedule << "' is not valid; use gpipe, 1f1b, interleaved or zb-h1");
+  STRATA_CHECK(schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved" || schedule == "zb-h1" ||
+                   schedule == "custom",
+               "pipeline: schedule='" << schedule << "' is not valid; use gpipe, 1f1b, interleaved, zb-h1 or custom");
+  STRATA_CHECK((schedule == "custom") == !schedule_text.empty(),
+               "pipeline: schedule=" << schedule
+                                     << (schedule == "custom" ? " needs the schedule: schedule_text=<text> or schedule_file=<path>"
+                                                              : " generates its schedule; schedule_text and schedule_file "
+                                                                "go with schedule=custom (strategy pipeline_custom)"));
+  STRATA_CHECK(schedule != "custom" || (virtual_stages == 0 && micro_batches == 0),
+               "pipeline: the custom schedule's text fixes the stages and micro-batches; leave out virtual_stages="
+                   << virtual_stages << " and micro_batches=" << micro_batches);
   STRATA_CHECK(ranks >= 0, "pipeline: ranks=" << ranks << " must not be negative");
   STRATA_CHECK(virtual_stages >= 0, "pipeline: virtual_stages=" << virtual_stages << " must not be negative");
   STRATA_CHECK(virtual_stages <= 1 || schedule == "interleaved",
@@ -183,6 +205,14 @@ class Pipeline::Swap {
 Pipeline::Pipeline(std::string name, const StrategyConfig& config, PipelineOptions options)
     : name_(std::move(name)), config_(config), options_(std::move(options)) {
   device::check_available(config_.device);
+  if (custom()) {
+    try {
+      custom_ = pipeline::parse(options_.schedule_text);
+      pipeline::validate(custom_);
+    } catch (const Error& e) {
+      STRATA_FAIL(name_ << ": the custom schedule is not runnable: " << e.what());
+    }
+  }
 }
 
 models::BlockModel& Pipeline::model() {
@@ -196,6 +226,13 @@ torch::Device Pipeline::device_of_stage(int64_t stage) const {
 
 int64_t Pipeline::micro_batches_for(int64_t n) const {
   const auto p = static_cast<int64_t>(rank_devices_.size());
+  if (custom()) {
+    STRATA_CHECK(n >= custom_.micro_batches, name_ << ": a batch of " << n << " samples cannot be split into the "
+                                                   << custom_.micro_batches
+                                                   << " micro-batches of the custom schedule; give at least one "
+                                                      "sample per micro-batch");
+    return custom_.micro_batches;
+  }
   const bool interleaved = options_.schedule == "interleaved";
   if (options_.micro_batches > 0) {
     STRATA_CHECK(n >= options_.micro_batches, name_ << ": a batch of " << n << " samples cannot be split into "
@@ -214,7 +251,9 @@ void Pipeline::build_schedule(int64_t micro_batches) {
   if (!schedule_.actions.empty() && schedule_.micro_batches == micro_batches) return;
   const int p = static_cast<int>(rank_devices_.size()), m = static_cast<int>(micro_batches);
   const int64_t v = virtual_stages_;
-  if (options_.schedule == "gpipe")
+  if (custom())
+    schedule_ = custom_;
+  else if (options_.schedule == "gpipe")
     schedule_ = pipeline::gpipe(p, m);
   else if (options_.schedule == "1f1b")
     schedule_ = pipeline::one_f_one_b(p, m);
@@ -247,12 +286,16 @@ void Pipeline::attach_model(models::BlockModel model) {
   } else if (!config_.devices.empty() && options_.ranks == 0) {
     devices = config_.devices;
   } else {
-    const int64_t r = options_.ranks > 0 ? options_.ranks : std::min<int64_t>(2, n);
+    const int64_t r = options_.ranks > 0 ? options_.ranks : custom() ? custom_.ranks : std::min<int64_t>(2, n);
     devices.assign(static_cast<size_t>(r), config_.device);
   }
   for (const auto& d : devices) device::check_available(d);
   const int64_t p = static_cast<int64_t>(devices.size());
-  const int64_t v = options_.virtual_stages > 0                ? options_.virtual_stages
+  STRATA_CHECK(!custom() || p == custom_.ranks, name_ << ": the custom schedule has " << custom_.ranks
+                                                      << " rank lines but the strategy runs " << p
+                                                      << " ranks (devices, ranks= or processes); make them agree");
+  const int64_t v = custom()                                   ? custom_.virtual_stages
+                    : options_.virtual_stages > 0                ? options_.virtual_stages
                     : options_.schedule != "interleaved"         ? 1
                                                                  : std::clamp<int64_t>(n / p, 1, 2);
   const int64_t stages = p * v;
@@ -272,14 +315,15 @@ void Pipeline::attach_model(models::BlockModel model) {
     for (const auto& b : model.buffers()) layout << b.name << b.tensor.sizes() << ";";
     std::ostringstream description;
     description << name_ << "(schedule " << options_.schedule << ", micro_batches " << options_.micro_batches
-                << ", virtual_stages " << v << ", balance " << join(options_.balance) << ") world " << p
+                << ", virtual_stages " << v << ", balance " << join(options_.balance) << ", schedule text #"
+                << std::hash<std::string>{}(custom() ? pipeline::to_text(custom_) : std::string()) << ") world " << p
                 << ", model of " << model.parameters().size() << " parameters, layout #" << std::hex
                 << std::hash<std::string>{}(layout.str());
     group_->agree(name_ + " attach", description.str());
   }
   virtual_stages_ = v;
   schedule_ = {};
-  build_schedule(options_.micro_batches > 0 ? options_.micro_batches : 2 * p);
+  build_schedule(custom() ? custom_.micro_batches : options_.micro_batches > 0 ? options_.micro_batches : 2 * p);
 
   const auto& params = model.parameters();
   // Each block's parameters, in its parameters() order, as canonical indices.
@@ -940,6 +984,11 @@ STRATA_REGISTER_STRATEGY("pipeline_1f1b", "pipeline parallel, 1F1B: one forward,
 STRATA_REGISTER_STRATEGY("pipeline_interleaved",
                          "pipeline parallel, interleaved 1F1B: virtual_stages stages per device (default 2)",
                          [](const StrategyConfig& c) { return make("pipeline_interleaved", "interleaved", c); });
+STRATA_REGISTER_STRATEGY_NEEDING(
+    "pipeline_custom",
+    "pipeline parallel running a hand-written schedule: schedule_file=<path> or schedule_text=<ranks split by '/'>",
+    (std::map<std::string, std::string>{{"schedule_text", "F0,F1,B0,B1/F0,B0,F1,B1"}}),
+    [](const StrategyConfig& c) { return make("pipeline_custom", "custom", c); });
 STRATA_REGISTER_STRATEGY("pipeline_zero_bubble",
                          "pipeline parallel, ZB-H1: backward split into input and weight gradients, weights deferred",
                          [](const StrategyConfig& c) { return make("pipeline_zero_bubble", "zb-h1", c); });

@@ -40,7 +40,9 @@
 namespace strata {
 
 struct PipelineOptions {
-  std::string schedule = "1f1b";       ///< gpipe | 1f1b | interleaved | zb-h1
+  std::string schedule = "1f1b";       ///< gpipe | 1f1b | interleaved | zb-h1 | custom
+  std::string schedule_text;           ///< custom: the schedule in schedule.h's text form (option schedule_text,
+                                       ///< or the contents of the file named by option schedule_file)
   std::vector<std::string> devices;    ///< one per rank; empty: the config's devices, else `ranks` x main device
   int64_t ranks = 0;                   ///< ranks on the main device when no devices are given (0: 2, or fewer blocks)
   int64_t virtual_stages = 0;          ///< stages per rank; 0: 2 for interleaved, else 1
@@ -110,6 +112,8 @@ class Pipeline : public Strategy {
   PipelineOptions options_;
   std::optional<models::BlockModel> model_;
   pipeline::Schedule schedule_;
+  pipeline::Schedule custom_;  ///< schedule=custom: the parsed, validated text (ranks, stages, micro-batches fixed)
+  bool custom() const { return options_.schedule == "custom"; }
   std::vector<torch::Device> rank_devices_;
   /// Each rank's stream, chosen once: cuBLAS caches a workspace for every stream a matmul ran on,
   /// so a fresh stream per step would leave 32 MiB more allocated per step until the pool cycles.

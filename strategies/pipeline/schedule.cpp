@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <regex>
 #include <sstream>
 
 #include "models/check.h"
@@ -299,11 +300,50 @@ std::string to_text(const Schedule& schedule) {
   return out;
 }
 
+namespace {
+
+/// The text's rank lines: split at newlines and '/', '#' comments cut, commas read as spaces,
+/// blank lines dropped.
+std::vector<std::string> rank_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::string line;
+  const auto flush = [&] {
+    if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
+    std::replace(line.begin(), line.end(), ',', ' ');
+    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
+    line.clear();
+  };
+  for (const char c : text) {
+    if (c == '\n' || c == '/')
+      flush();
+    else
+      line += c;
+  }
+  flush();
+  return lines;
+}
+
+}  // namespace
+
+Schedule parse(const std::string& text) {
+  const auto lines = rank_lines(text);
+  STRATA_CHECK(!lines.empty(), "schedule text has no rank lines (one line of actions per rank, e.g. 'F0 F1 B0 B1')");
+  const int p = static_cast<int>(lines.size());
+  // The largest ".s<stage>" gives the stage count; without any, one stage per rank.
+  int stages = p;
+  const std::regex stage_suffix(R"(\.s(\d{1,9})\b)");
+  for (const auto& line : lines)
+    for (std::sregex_iterator it(line.begin(), line.end(), stage_suffix), end; it != end; ++it)
+      stages = std::max(stages, std::stoi((*it)[1].str()) + 1);
+  STRATA_CHECK(stages % p == 0, "schedule text of " << p << " ranks names stages up to " << stages - 1 << ": "
+                                                     << stages << " stages do not divide over " << p
+                                                     << " ranks (stage s lives on rank s % ranks)");
+  return parse(text, p, stages / p);
+}
+
 Schedule parse(const std::string& text, int p, int v) {
   STRATA_CHECK(p >= 1 && v >= 1, "parse: p=" << p << " v=" << v << "; both need to be at least 1");
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  const std::vector<std::string> lines = rank_lines(text);
   STRATA_CHECK(static_cast<int>(lines.size()) == p,
                "schedule text has " << lines.size() << " lines but p=" << p << " ranks (one line per rank)");
   Schedule s = empty_schedule(p, 0, v);

@@ -21,6 +21,8 @@
 // op is F, B, I or W; micro the micro-batch index; stage the global stage index (0..p*v-1), not the
 // chunk on the rank. to_text() writes ".s<stage>" exactly when v > 1; parse() accepts it always and
 // requires it when v > 1 (without it the stage is the rank's only stage, which is the rank itself).
+// For files and option values parse() also reads '/' as a line break and ',' as a space, cuts '#'
+// comments and skips blank lines: "F0,F1,B0,B1/F0,B0,F1,B1" is a two-rank schedule.
 #include <string>
 #include <vector>
 
@@ -82,6 +84,10 @@ std::string to_text(const Schedule& schedule);
 /// Reads the text form for p ranks and v stages per rank; m is the largest micro-batch index + 1.
 /// Throws Error naming the rank and token position of a malformed token. Does not validate.
 Schedule parse(const std::string& text, int p, int v);
+/// The same, with p the number of rank lines and v from the largest stage named (".s<stage>"; none:
+/// v = 1): the form for a schedule written by hand. Throws Error when the stages do not divide over
+/// the ranks.
+Schedule parse(const std::string& text);
 
 // Checking.
 
