@@ -4,7 +4,7 @@
 //
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
 //                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
-//                  [--classes=N] [--options='key=value;strategy:key=value']
+//                  [--classes=N] [--options='key=value;strategy:key=value'] [--profile=DIR]
 //
 // Exit status: 0 when every strategy passed parity and ran (or ran out of memory, a result); 1 when
 // any failed parity or errored; 2 for bad arguments.
@@ -12,12 +12,18 @@
 // Training: median over the timed steps of forward+backward (train_step) and of the optimizer
 // step, each timed to the completion of every device. --inference times forward() only and reports the
 // host-to-device bandwidth it achieved (bytes moved / time).
+//
+// --profile=DIR: after the timed steps, one more forward+backward of each strategy is recorded with
+// LibTorch's profiler into DIR/<strategy>.trace.json (Chrome trace; bench/kernel_table.py tabulates
+// its kernels beside a peer's, bench/profile.sh runs both sides).
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
 #include "bench/common.h"
+#include "bench/profile.h"
 #include "models/check.h"
 #include "strategies/device/device.h"
 #include "strategies/options.h"
@@ -37,6 +43,7 @@ struct Args {
   bool tf32 = true;
   int64_t classes = 0;                        ///< overrides the preset's class count
   std::map<std::string, std::string> options; ///< key=value for every strategy, or strategy:key=value for one
+  std::string profile_dir;                    ///< where one profiled forward+backward per strategy goes
 };
 
 Args parse_args(int argc, char** argv) {
@@ -56,13 +63,14 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("classes")) a.classes = std::atoll(v);
     else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
     else if (arg == "--no-tf32") a.tf32 = false;
+    else if (const char* v = value("profile")) a.profile_dir = v;
     else if (const char* v = value("strategies")) {
       a.strategies = split(v);
     } else {
       STRATA_FAIL("unknown argument '" << arg
                               << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
                                  "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32] "
-                                 "[--classes=N] [--options='k=v;strategy:k=v']");
+                                 "[--classes=N] [--options='k=v;strategy:k=v'] [--profile=DIR]");
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
@@ -182,6 +190,20 @@ int run(int argc, char** argv) {
                     median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peaks.allocated / gib, peaks.reserved / gib,
                     static_cast<double>(s.bytes_h2d) / args.steps / gb, static_cast<double>(s.bytes_d2h) / args.steps / gb);
         print_per_device(s);
+        if (!args.profile_dir.empty()) {
+          std::filesystem::create_directories(args.profile_dir);
+          const auto path = args.profile_dir + "/" + name + ".trace.json";
+          bench::TraceRecorder recorder(dev.is_cuda());
+          {
+            RECORD_USER_SCOPE("strata::forward_backward");
+            strategy->train_step(batch);
+            strategy->finish_backward();
+            device::synchronize_all();
+          }
+          recorder.save(path);
+          strategy->optimizer_step();
+          std::printf("%-22s profiled forward+backward: %s\n", label.c_str(), path.c_str());
+        }
       }
     } catch (const std::exception& e) {
       // Parity held; the timed run did not. Out of memory is a result; anything else an error.

@@ -127,6 +127,25 @@ def timed_steps(model, opt, idx, target, steps, backward_ctx=None, vocab=None, s
     return fb, op
 
 
+def profile_step(model, idx, target, path, backward_ctx=None, vocab=None):
+    """One forward+backward under torch.profiler, written as a Chrome trace (bench/kernel_table.py
+    reads it beside strata_compare --profile's)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("peer::forward_backward"):
+            out = model(idx)
+            loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1))
+            if backward_ctx:
+                with backward_ctx():
+                    loss.backward()
+            else:
+                loss.backward()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    model.zero_grad(set_to_none=True)
+
+
 def entry(name, c, fb, op, extra=None):
     step = statistics.mean(fb) + statistics.mean(op)
     items = c["batch"] * c["seq_len"]
@@ -253,7 +272,7 @@ def check_parity(kind, offload_py):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def run_peer(kind, c, steps, offload_py, model_name):
+def run_peer(kind, c, steps, offload_py, model_name, profile_dir=None):
     dev = torch.device("cuda:0")
     idx, target = batch(c, dev)
     name = f"{kind}/{model_name}"
@@ -264,6 +283,11 @@ def run_peer(kind, c, steps, offload_py, model_name):
     torch.cuda.empty_cache()
     model, opt, ctx, offloaded = build_peer(kind, c, dev, offload_py)
     fb, op = timed_steps(model, opt, idx, target, steps, backward_ctx=ctx)
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
+        path = os.path.join(profile_dir, f"{kind}.trace.json")
+        profile_step(model, idx, target, path, backward_ctx=ctx)
+        print(f"peers.py: {kind}: profiled forward+backward: {path}", file=sys.stderr, flush=True)
     extra = {"parity_ok": 1 if parity else None, "parity_rel_diff": worst}
     if kind == "torch_baseline":
         extra["parity_ok"] = 1  # the reference the others are checked against
@@ -545,6 +569,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after timing, record one forward+backward of each one-process peer into DIR/<peer>.trace.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peers.py: needs a CUDA device")
@@ -563,7 +589,7 @@ def main():
         print(f"peers.py: {kind} on {args.model}", file=sys.stderr, flush=True)
         t0 = time.time()
         try:
-            results.append(run_peer(kind, c, args.steps, args.offload_py, args.model))
+            results.append(run_peer(kind, c, args.steps, args.offload_py, args.model, args.profile))
             r = results[-1]
             if r.get("error_occurred"):
                 print(f"peers.py: {kind}: {r['error_message']}", file=sys.stderr, flush=True)

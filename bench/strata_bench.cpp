@@ -21,6 +21,7 @@
 // per-device peaks are added as counters peak_allocated_bytes.<device>.
 #include <benchmark/benchmark.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <thread>
@@ -32,6 +33,7 @@
 
 #include "bench/common.h"
 #include "models/check.h"
+#include "models/threads.h"
 #include "strategies/device/device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/options.h"
@@ -147,6 +149,36 @@ double measure_h2d_gbps(const torch::Device& device) {
   return 5.0 * bytes / (watch.elapsed_ms() / 1e3) / 1e9;
 }
 
+// The host's memory bandwidth as STREAM's triad counts it (a[i] = b[i] + s c[i] over three 512 MiB
+// arrays, every core, 12 bytes per element): what bounds an optimizer that runs on the host. Its
+// AdamW pass reads parameter, gradient and both moments and writes three of them, 28 bytes per
+// parameter counted the same way, so 28 x parameters / this rate is the host pass's floor.
+double measure_host_triad_gbps() {
+  const int64_t n = int64_t{1} << 27;
+  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n)), c(static_cast<size_t>(n));
+  const int64_t chunk = (n + static_cast<int64_t>(threads) - 1) / static_cast<int64_t>(threads);
+  auto pass = [&](auto&& body) {
+    std::atomic<int64_t> next{0};
+    run_on_threads(threads, [&] {
+      for (int64_t k = next++; k * chunk < n; k = next++) body(k * chunk, std::min(n, (k + 1) * chunk));
+    });
+  };
+  pass([&](int64_t begin, int64_t end) {  // touched by the threads that use them (NUMA placement)
+    for (int64_t i = begin; i < end; ++i) a[i] = 0.f, b[i] = 1.f, c[i] = 2.f;
+  });
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    pass([&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) a[i] = b[i] + 0.5f * c[i];
+    });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, 12.0 * static_cast<double>(n) / s / 1e9);
+  }
+  return best;
+}
+
 // One cell: a strategy under its options on one preset.
 struct Cell {
   std::string strategy;
@@ -163,7 +195,7 @@ struct Live {
   correctness::ParityResult parity;
   std::unique_ptr<Strategy> strategy;
   models::Batch batch;
-  double items = 0, flops_per_step = 0;
+  double items = 0, flops_per_step = 0, parameters = 0;
   int repetitions_done = 0;
   Outcome setup = Outcome::ok;  ///< how building and warming up ended
   std::string setup_error;
@@ -215,6 +247,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
         auto model = models::build_model(preset.config, 0);
         live.items = static_cast<double>(model.items_per_batch(preset.batch_size));
         live.flops_per_step = 3.0 * model.forward_flops_per_item() * live.items;  // forward + backward
+        live.parameters = static_cast<double>(model.parameter_count());
         live.strategy->attach(std::move(model));
         live.batch = models::make_batch(preset.config, preset.batch_size, 1);
         log("warm-up");
@@ -318,6 +351,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     // Gradients that travel to the host are stepped there: the host's memory bandwidth sets the
     // optimizer's time (the gate then compares device time only across hosts of another class).
     state.counters["optimizer_on_host"] = stats.bytes_d2h > 0 ? 1 : 0;
+    state.counters["parameters"] = live.parameters;
     state.counters["oom"] = 0;
     end_cell(state, Outcome::ok, "");
     char line[64];
@@ -378,14 +412,19 @@ int run(int argc, char** argv) {
   const auto device_name = device::name(s.device);
   s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true);
   const double link = measure_h2d_gbps(s.device);
-  std::fprintf(stderr, "device %s (%s): matmul %.1f TFLOP/s measured or given, %.1f by datasheet; H2D %.1f GB/s pinned\n",
-               s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link);
+  // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
+  const double host_triad = s.device.is_cuda() ? measure_host_triad_gbps() : 0.0;
+  std::fprintf(stderr,
+               "device %s (%s): matmul %.1f TFLOP/s measured or given, %.1f by datasheet; H2D %.1f GB/s pinned; "
+               "host triad %.1f GB/s\n",
+               s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link, host_triad);
   benchmark::AddCustomContext("strata_device", s.device.str());
   benchmark::AddCustomContext("device_name", device_name);
   benchmark::AddCustomContext("host_cpu", host_cpu());
   benchmark::AddCustomContext("peak_tflops", std::to_string(s.peak_tflops));
   benchmark::AddCustomContext("datasheet_tflops", std::to_string(s.datasheet_tflops));
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
+  benchmark::AddCustomContext("host_triad_GBps", std::to_string(host_triad));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
 
   const auto& env = distributed::environment();

@@ -32,7 +32,7 @@ class BertPooler : public Block {
   explicit BertPooler(int64_t width) { dense_ = register_module("dense", torch::nn::Linear(width, width)); }
   torch::Tensor forward(const torch::Tensor& x) override {
     using torch::indexing::Slice;
-    return torch::tanh(dense_->forward(x.index({Slice(), 0})));
+    return torch::tanh(linear(dense_, x.index({Slice(), 0})));
   }
 
  private:

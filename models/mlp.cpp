@@ -8,7 +8,7 @@ namespace {
 class Dense : public Block {
  public:
   Dense(int64_t in, int64_t out) { linear_ = register_module("linear", torch::nn::Linear(in, out)); }
-  torch::Tensor forward(const torch::Tensor& x) override { return torch::gelu(linear_->forward(x)); }
+  torch::Tensor forward(const torch::Tensor& x) override { return torch::gelu(linear(linear_, x)); }
   const torch::Tensor& weight() const { return linear_->weight; }
   int64_t activation_bytes(int64_t batch) const override { return batch * linear_->weight.size(0) * 2 * 4; }
 

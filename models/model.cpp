@@ -15,6 +15,46 @@
 
 namespace strata::models {
 
+namespace {
+thread_local bool graph_only_forward = false;
+
+// The linear map's backward without its forward: the output is allocated, never computed.
+struct LinearGraphOnly : torch::autograd::Function<LinearGraphOnly> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias"] = bias.defined();
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    return torch::empty(sizes, x.options());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& weight = saved[1];
+    const auto g = grad_out[0].reshape({-1, weight.size(0)});
+    torch::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0)) gx = g.mm(weight).view(x.sizes());
+    if (ctx->needs_input_grad(1)) gw = g.t().mm(x.reshape({-1, weight.size(1)}));
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) gb = g.sum(0);
+    return {gx, gw, gb};
+  }
+};
+}  // namespace
+
+GraphOnlyForward::GraphOnlyForward() : was_(graph_only_forward) { graph_only_forward = true; }
+GraphOnlyForward::~GraphOnlyForward() { graph_only_forward = was_; }
+bool GraphOnlyForward::active() { return graph_only_forward; }
+
+torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return torch::linear(x, layer->weight, layer->bias);
+}
+
+torch::Tensor linear_graph_only(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return LinearGraphOnly::apply(x, layer->weight, layer->bias);
+}
+
 std::string to_string(ModelKind kind) {
   switch (kind) {
     case ModelKind::mlp: return "mlp";

@@ -52,6 +52,32 @@ class Block : public torch::nn::Module {
   virtual int64_t activation_bytes(int64_t batch) const { return 0; }
 };
 
+/// While alive on a thread, forwards on that thread run only for their autograd graph: the caller
+/// (a recompute in backward) takes gradients from the graph and never reads the output's values, so
+/// a block may skip work whose result only the output holds (the transformer skips its last matrix
+/// product, as PyTorch's checkpoint stops recomputing once every tensor backward needs exists).
+class GraphOnlyForward {
+ public:
+  GraphOnlyForward();
+  ~GraphOnlyForward();
+  GraphOnlyForward(const GraphOnlyForward&) = delete;
+  GraphOnlyForward& operator=(const GraphOnlyForward&) = delete;
+  /// True inside a GraphOnlyForward on this thread.
+  static bool active();
+
+ private:
+  bool was_;
+};
+
+/// x W^T + b through the fused kernel (the bias added by the matrix product, over inputs of any
+/// rank): LibTorch's nn::Linear adds the bias in a kernel of its own for inputs above two dimensions.
+torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x);
+
+/// linear(layer, x) whose output only carries a graph: its values are left unset (no matrix
+/// product) and its backward is the linear map's. Inside a GraphOnlyForward, for a last layer whose
+/// output feeds nothing that backward needs the value of (a residual sum that ends the block).
+torch::Tensor linear_graph_only(const torch::nn::Linear& layer, const torch::Tensor& x);
+
 /// A last block whose output is a linear map of features: logits = features(x) weight^T + bias,
 /// with weight [classes, features]. Strategies may split such a head by output columns.
 class LinearHead {

@@ -16,7 +16,7 @@ class TransformerBlock : public Block {
 
  private:
   torch::Tensor attention(const torch::Tensor& x);
-  torch::Tensor feed_forward(const torch::Tensor& x);
+  torch::Tensor feed_forward(const torch::Tensor& x, bool graph_only);
 
   int64_t heads_, width_, seq_len_ = 1;
   bool causal_, pre_norm_;

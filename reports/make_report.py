@@ -88,6 +88,39 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
     plt.close(fig)
 
 
+# strata's steps against PyTorch's own, forward+backward, with the targets strata holds itself to
+# (bench/NOTES.md, "Reference speed"): a slower baseline would flatter every ratio built on it.
+REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint", "torch_checkpoint", 1.01),
+                   ("hook_offload", "torch_checkpoint", 1.03), ("hook_offload_overlap", "torch_checkpoint", 1.03)]
+HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
+
+
+def reference_speed(rs, peers, triad):
+    mine = {r["strategy"]: r for r in rs if r["source"] == "strata" and not r["failed"]}
+    out = []
+    pairs = [(a, b, t) for a, b, t in REFERENCE_PAIRS if a in mine and b in peers]
+    if pairs:
+        out.append("\nReference speed, forward+backward against PyTorch's (target: at or below the ratio shown):\n")
+        out.append("| strata | PyTorch | strata ms | PyTorch ms | ratio | target | |\n|---|---|---:|---:|---:|---:|---|")
+        for a, b, target in pairs:
+            ratio = mine[a]["fwd_bwd_ms"] / peers[b]["fwd_bwd_ms"]
+            out.append(f"| {a} | {b} | {mine[a]['fwd_bwd_ms']:.1f} | {peers[b]['fwd_bwd_ms']:.1f} | {ratio:.3f} | "
+                       f"{target:.2f} | {'met' if ratio <= target else 'missed'} |")
+    host = [r for r in mine.values() if r.get("optimizer_on_host") and r.get("parameters")]
+    if host and triad > 0:
+        out.append(f"\nHost optimizer against the host's memory bandwidth (triad {triad:.1f} GB/s, every core; "
+                   f"{HOST_BYTES_PER_PARAM} bytes per parameter; floor = max(fwd+bwd, host pass at that bandwidth)):\n")
+        out.append("| strata | parameters | host pass floor ms | optim ms after backward | host pass GB/s (if all "
+                   "after backward) | floor ms | step ms | step / floor |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in sorted(host, key=lambda r: r["strategy"]):
+            host_ms = HOST_BYTES_PER_PARAM * r["parameters"] / (triad * 1e9) * 1e3
+            floor = max(r["fwd_bwd_ms"], host_ms)
+            achieved = HOST_BYTES_PER_PARAM * r["parameters"] / (r["optimizer_ms"] / 1e3) / 1e9
+            out.append(f"| {r['strategy']} | {r['parameters']:,.0f} | {host_ms:.1f} | {r['optimizer_ms']:.1f} | "
+                       f"{achieved:.1f} | {floor:.1f} | {r['real_time']:.1f} | {r['real_time'] / floor:.2f} |")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata", required=True)
@@ -155,6 +188,7 @@ def main():
                     dev = k.split(".", 1)[1]
                     out.append(f"| {r['strategy']} | {dev} | {r[k] / GIB:.2f} | "
                                f"{r.get('peak_reserved_bytes.' + dev, 0) / GIB:.2f} |")
+        out += reference_speed(rs, base, float(context.get("host_triad_GBps", 0) or 0))
         offl = [r for r in rs if "offloaded_params_on_device" in r]
         if offl:
             out.append("\nOffloaded parameters left on the GPU after a step (peers):\n")

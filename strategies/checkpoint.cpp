@@ -16,6 +16,11 @@ std::pair<torch::Tensor, KeptGraph> run_keeping_graph(models::Block& block, cons
   return {y.detach(), std::move(graph)};
 }
 
+KeptGraph recompute_graph(models::Block& block, const torch::Tensor& x) {
+  models::GraphOnlyForward graph_only;
+  return run_keeping_graph(block, x).second;
+}
+
 BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out) {
   // What autograd::grad does, started from an edge instead of the output tensor. Only valid edges
   // are asked for: the engine has nothing to return for a frozen parameter.
@@ -100,7 +105,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
     auto saved = ctx->get_saved_variables();
     // Through the gradients too: the recomputed graph saw these values.
     BuffersAsBefore as_before(*block, variable_list(saved.begin() + 1, saved.end()));
-    auto grads = block_gradients(run_keeping_graph(*block, saved[0]).second, grad_out);
+    auto grads = block_gradients(recompute_graph(*block, saved[0]), grad_out);
     variable_list result{torch::Tensor(), grads.input};  // block pointer, input
     result.insert(result.end(), grads.params.begin(), grads.params.end());
     return result;

@@ -24,6 +24,10 @@ struct KeptGraph {
 /// data later moves to another device gets a new gradient accumulator, which the graph never saw.
 std::pair<torch::Tensor, KeptGraph> run_keeping_graph(models::Block& block, const torch::Tensor& x);
 
+/// The graph of block(x) recomputed in backward, for gradients only: the output's values are never
+/// read, so the block may skip what only they need (models::GraphOnlyForward).
+KeptGraph recompute_graph(models::Block& block, const torch::Tensor& x);
+
 struct BlockGradients {
   torch::Tensor input;                ///< undefined for an input that needs none (token ids)
   std::vector<torch::Tensor> params;  ///< in the block's parameters() order; undefined where unused or frozen

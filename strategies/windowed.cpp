@@ -80,7 +80,7 @@ struct WindowedBlock : torch::autograd::Function<WindowedBlock> {
     if (runner->recompute_block(block)) {
       auto saved = ctx->get_saved_variables();
       as_before.emplace(module, variable_list(saved.begin() + 1, saved.end()));
-      graph = run_keeping_graph(module, saved[0]).second;
+      graph = recompute_graph(module, saved[0]);
     } else {
       graph = std::move(runner->kept_graphs()[block]);
       runner->kept_graphs()[block] = {};

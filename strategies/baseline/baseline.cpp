@@ -35,7 +35,12 @@ void Baseline::attach_model(models::BlockModel model) {
 }
 
 torch::Tensor Baseline::run_blocks(torch::Tensor x, bool checkpoint) {
-  for (const auto& block : model().blocks()) x = checkpoint ? checkpointed_forward(*block, x) : block->forward(x);
+  // Checkpointed: every block but the last, whose output (a head's logits) goes straight into the
+  // loss — recomputing it would redo the widest product for nothing, and PyTorch's checkpointed
+  // reference keeps its head too.
+  const auto& blocks = model().blocks();
+  for (size_t b = 0; b < blocks.size(); ++b)
+    x = checkpoint && b + 1 < blocks.size() ? checkpointed_forward(*blocks[b], x) : blocks[b]->forward(x);
   return x;
 }
 
@@ -96,7 +101,7 @@ STRATA_REGISTER_STRATEGY("baseline", "whole model on one device, plain autograd 
                            return std::make_unique<Baseline>("baseline", c, BaselineOptions::parse(c.options));
                          });
 
-STRATA_REGISTER_STRATEGY("baseline_checkpoint", "baseline with every block recomputed in backward",
+STRATA_REGISTER_STRATEGY("baseline_checkpoint", "baseline with every block but the last (the head) recomputed in backward",
                          [](const StrategyConfig& c) {
                            auto options = BaselineOptions::parse(c.options);
                            options.checkpoint = true;

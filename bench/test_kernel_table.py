@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Checks bench/kernel_table.py on two hand-made traces: kernels are classed and summed per class,
+copies and sets counted apart, CPU events ignored, and a trace without GPU work refused."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import kernel_table  # noqa: E402
+
+
+def trace(path, events):
+    with open(path, "w") as f:
+        json.dump({"traceEvents": [dict(ph="X", **e) for e in events]}, f)
+
+
+def main():
+    d = tempfile.mkdtemp()
+    a, b, empty = (os.path.join(d, n) for n in ("a.json", "b.json", "empty.json"))
+    trace(a, [dict(cat="kernel", name="sm90_xmma_gemm_f32f32_tf32", ts=0, dur=1000),
+              dict(cat="kernel", name="sm90_xmma_gemm_f32f32_tf32", ts=1000, dur=500),
+              dict(cat="kernel", name="vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", ts=1500, dur=200),
+              dict(cat="gpu_memcpy", name="Memcpy HtoD (Pinned -> Device)", ts=1700, dur=300),
+              dict(cat="cpu_op", name="aten::mm", ts=0, dur=9999)])
+    trace(b, [dict(cat="kernel", name="fmha_cutlassF_f32_aligned", ts=0, dur=400)])
+    trace(empty, [dict(cat="cpu_op", name="aten::mm", ts=0, dur=5)])
+    s = kernel_table.summarize(kernel_table.load(a))
+    assert abs(s["busy"] - 2.0) < 1e-9, s["busy"]
+    assert s["kernels"] == 3, s["kernels"]
+    assert s["by_class"]["matrix product"] == [1.5, 2], s["by_class"]["matrix product"]
+    assert s["by_class"]["elementwise"] == [0.2, 1], s["by_class"]["elementwise"]
+    assert s["by_class"]["memcpy"] == [0.3, 1], s["by_class"]["memcpy"]
+    assert abs(s["span"] - 2.0) < 1e-9, s["span"]
+    text = kernel_table.tables([a, b], ["x", "y"], top=2)
+    assert "| attention | 0.00 (0) | 0.40 (1) | +0.40 |" in text, text
+    assert "| matrix product | 1.50 (2) | 0.00 (0) | -1.50 |" in text, text
+    r = subprocess.run([sys.executable, os.path.join(HERE, "kernel_table.py"), empty], capture_output=True, text=True)
+    assert r.returncode != 0 and "no GPU activity" in r.stderr, (r.returncode, r.stderr)
+    print("kernel_table.py: every check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
