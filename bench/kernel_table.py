@@ -72,6 +72,19 @@ def summarize(events):
     return {"busy": busy, "span": span, "kernels": kernels, "by_class": by_class, "by_name": by_name}
 
 
+def compute_gaps(events, count):
+    """The longest stretches in which no kernel ran (copies may have), with the kernels around them:
+    where a strategy's compute waited, e.g. for a block's parameters to arrive."""
+    kernels = sorted((t, t + d, name) for name, cat, t, d in events if "kernel" in cat)
+    gaps, end, last = [], None, None
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    return sorted(gaps, reverse=True)[:count], sum(g for g, _, _ in gaps)
+
+
 def short(name, width=96):
     name = re.sub(r"\s+", " ", name)
     return name if len(name) <= width else name[: width - 3] + "..."
@@ -96,6 +109,12 @@ def tables(paths, labels, top):
         lines += ["", f"Top {top} kernels, {label}:", "", "| ms | n | share | kernel |", "|---:|---:|---:|---|"]
         for name, (ms, n) in sorted(s["by_name"].items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"| {ms:.2f} | {n} | {ms / s['busy']:.1%} | `{short(name)}` |")
+    for label, path in zip(labels, paths):
+        gaps, total = compute_gaps(load(path), 5)
+        lines += ["", f"Compute idle, {label}: {total / 1e3:.2f} ms without a kernel running; the longest stretches:",
+                  "", "| ms | after | before |", "|---:|---|---|"]
+        for g, before, after in gaps:
+            lines.append(f"| {g / 1e3:.2f} | `{short(before, 60)}` | `{short(after, 60)}` |")
     return "\n".join(lines)
 
 

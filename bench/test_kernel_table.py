@@ -37,6 +37,14 @@ def main():
     text = kernel_table.tables([a, b], ["x", "y"], top=2)
     assert "| attention | 0.00 (0) | 0.40 (1) | +0.40 |" in text, text
     assert "| matrix product | 1.50 (2) | 0.00 (0) | -1.50 |" in text, text
+    gaps, idle = kernel_table.compute_gaps(kernel_table.load(a), 3)
+    assert idle == 0 and gaps == [], (idle, gaps)  # back to back; the copy after them is no kernel
+    trace(empty.replace("empty", "gap"), [dict(cat="kernel", name="k1", ts=0, dur=10),
+                                         dict(cat="gpu_memcpy", name="Memcpy HtoD", ts=10, dur=50),
+                                         dict(cat="kernel", name="k2", ts=60, dur=10),
+                                         dict(cat="kernel", name="k3", ts=75, dur=5)])
+    gaps, idle = kernel_table.compute_gaps(kernel_table.load(empty.replace("empty", "gap")), 3)
+    assert idle == 55 and gaps == [(50, "k1", "k2"), (5, "k2", "k3")], (idle, gaps)
     r = subprocess.run([sys.executable, os.path.join(HERE, "kernel_table.py"), empty], capture_output=True, text=True)
     assert r.returncode != 0 and "no GPU activity" in r.stderr, (r.returncode, r.stderr)
     print("kernel_table.py: every check passed")
