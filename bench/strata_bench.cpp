@@ -27,6 +27,7 @@
 #include <thread>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -152,11 +153,14 @@ double measure_h2d_gbps(const torch::Device& device) {
 // The host's memory bandwidth as STREAM's triad counts it (a[i] = b[i] + s c[i] over three 512 MiB
 // arrays, every core, 12 bytes per element): what bounds an optimizer that runs on the host. Its
 // AdamW pass reads parameter, gradient and both moments and writes three of them, 28 bytes per
-// parameter counted the same way, so 28 x parameters / this rate is the host pass's floor.
+// parameter counted the same way, so 28 x parameters / this rate is the host pass's floor. Each
+// timed pass starts its threads (well under a millisecond of a ~20 ms pass): a slight understatement.
 double measure_host_triad_gbps() {
   const int64_t n = int64_t{1} << 27;
   const size_t threads = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n)), c(static_cast<size_t>(n));
+  // Left uninitialised here, so the threads' first pass below is what places the pages (spread
+  // over the cores, though not pinned: a later pass may hand a thread another thread's chunk).
+  const std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
   const int64_t chunk = (n + static_cast<int64_t>(threads) - 1) / static_cast<int64_t>(threads);
   auto pass = [&](auto&& body) {
     std::atomic<int64_t> next{0};
@@ -164,7 +168,7 @@ double measure_host_triad_gbps() {
       for (int64_t k = next++; k * chunk < n; k = next++) body(k * chunk, std::min(n, (k + 1) * chunk));
     });
   };
-  pass([&](int64_t begin, int64_t end) {  // touched by the threads that use them (NUMA placement)
+  pass([&](int64_t begin, int64_t end) {  // first touch
     for (int64_t i = begin; i < end; ++i) a[i] = 0.f, b[i] = 1.f, c[i] = 2.f;
   });
   double best = 0;

@@ -268,7 +268,7 @@ TEST(Pipeline, a_custom_schedule_refuses_what_it_cannot_run_naming_it) {
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}}); }), HasSubstr("needs the schedule"));
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule_text", "F0 B0"}}); }), HasSubstr("go with schedule=custom"));
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0 B0"}, {"micro_batches", "2"}}); }),
-              HasSubstr("leave out virtual_stages=0 and micro_batches=2"));
+              HasSubstr("fixes the micro-batches; leave out micro_batches=2"));
   // Deadlocks and malformed tokens are refused when the strategy is built, with the validator's words.
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,B0,F1,B1/F1,B1,F0,B0"}}); }),
               HasSubstr("not runnable: schedule deadlocks"));

@@ -387,7 +387,7 @@ TEST(Schedule, malformed_text_names_the_rank_and_token) {
 }
 
 TEST(Schedule, hand_written_text_reads_its_ranks_stages_and_comments) {
-  const Schedule s = parse("# rank 0 runs ahead\nF0 F1 F2 B0 B1 B2   # GPipe-like\n\nF0 B0 F1 B1 F2 B2\n");
+  const Schedule s = parse("# rank 0/1 of 2, runs ahead\nF0 F1 F2 B0 B1 B2   # GPipe-like, see docs/a.md\n\nF0 B0 F1 B1 F2 B2\n");
   EXPECT_EQ(s.ranks, 2);
   EXPECT_EQ(s.virtual_stages, 1);
   EXPECT_EQ(s.micro_batches, 3);

@@ -37,7 +37,7 @@ def load(path, source):
         medians = [b for b in group if b.get("aggregate_name") == "median"]
         runs = [b for b in group if b.get("run_type", "iteration") == "iteration"]
         r = dict(failed[0] if failed else medians[0] if medians else runs[0])
-        strategy, _, model = name.partition("/")
+        strategy, _, model = name.rpartition("/")  # options (a schedule, a path) may hold '/'; model names do not
         r.update(strategy=strategy, model=model, source=source, key=name, failed=bool(failed),
                  repetitions=len(runs))
         rows.append(r)

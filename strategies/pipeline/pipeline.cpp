@@ -81,9 +81,11 @@ void PipelineOptions::validate() const {
                                      << (schedule == "custom" ? " needs the schedule: schedule_text=<text> or schedule_file=<path>"
                                                               : " generates its schedule; schedule_text and schedule_file "
                                                                 "go with schedule=custom (strategy pipeline_custom)"));
-  STRATA_CHECK(schedule != "custom" || (virtual_stages == 0 && micro_batches == 0),
-               "pipeline: the custom schedule's text fixes the stages and micro-batches; leave out virtual_stages="
-                   << virtual_stages << " and micro_batches=" << micro_batches);
+  STRATA_CHECK(schedule != "custom" || virtual_stages == 0,
+               "pipeline: the custom schedule's text fixes the stages per rank; leave out virtual_stages="
+                   << virtual_stages);
+  STRATA_CHECK(schedule != "custom" || micro_batches == 0,
+               "pipeline: the custom schedule's text fixes the micro-batches; leave out micro_batches=" << micro_batches);
   STRATA_CHECK(ranks >= 0, "pipeline: ranks=" << ranks << " must not be negative");
   STRATA_CHECK(virtual_stages >= 0, "pipeline: virtual_stages=" << virtual_stages << " must not be negative");
   STRATA_CHECK(virtual_stages <= 1 || schedule == "interleaved",

@@ -302,24 +302,19 @@ std::string to_text(const Schedule& schedule) {
 
 namespace {
 
-/// The text's rank lines: split at newlines and '/', '#' comments cut, commas read as spaces,
-/// blank lines dropped.
+/// The text's rank lines: '#' comments cut from each line of the text, then the rest split at '/',
+/// commas read as spaces, blank lines dropped (so a comment may hold '/' or ',').
 std::vector<std::string> rank_lines(const std::string& text) {
   std::vector<std::string> lines;
-  std::string line;
-  const auto flush = [&] {
-    if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
-    std::replace(line.begin(), line.end(), ',', ' ');
-    if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
-    line.clear();
-  };
-  for (const char c : text) {
-    if (c == '\n' || c == '/')
-      flush();
-    else
-      line += c;
+  std::istringstream in(text);
+  for (std::string text_line; std::getline(in, text_line);) {
+    if (const auto hash = text_line.find('#'); hash != std::string::npos) text_line.erase(hash);
+    std::istringstream parts(text_line);
+    for (std::string line; std::getline(parts, line, '/');) {
+      std::replace(line.begin(), line.end(), ',', ' ');
+      if (line.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(line);
+    }
   }
-  flush();
   return lines;
 }
 
