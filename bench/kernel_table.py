@@ -91,7 +91,8 @@ def short(name, width=96):
 
 
 def tables(paths, labels, top):
-    sums = [summarize(load(p)) for p in paths]
+    traces = [load(p) for p in paths]
+    sums = [summarize(events) for events in traces]
     lines = ["| | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     lines.append("| GPU busy ms | " + " | ".join(f"{s['busy']:.1f}" for s in sums) + " |")
     lines.append("| GPU span ms (first to last activity) | " + " | ".join(f"{s['span']:.1f}" for s in sums) + " |")
@@ -109,8 +110,8 @@ def tables(paths, labels, top):
         lines += ["", f"Top {top} kernels, {label}:", "", "| ms | n | share | kernel |", "|---:|---:|---:|---|"]
         for name, (ms, n) in sorted(s["by_name"].items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"| {ms:.2f} | {n} | {ms / s['busy']:.1%} | `{short(name)}` |")
-    for label, path in zip(labels, paths):
-        gaps, total = compute_gaps(load(path), 5)
+    for label, events in zip(labels, traces):
+        gaps, total = compute_gaps(events, 5)
         lines += ["", f"Compute idle, {label}: {total / 1e3:.2f} ms without a kernel running; the longest stretches:",
                   "", "| ms | after | before |", "|---:|---|---|"]
         for g, before, after in gaps:

@@ -101,6 +101,19 @@ class GPT(nn.Module):
         return self.head(x)
 
 
+def forward_backward(model, idx, target, backward_ctx=None, vocab=None, scale=1.0):
+    """The peer's forward, mean cross-entropy and backward (inside backward_ctx when the peer needs
+    one); returns the loss."""
+    out = model(idx)
+    loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
+    if backward_ctx:
+        with backward_ctx():
+            loss.backward()
+    else:
+        loss.backward()
+    return loss
+
+
 def timed_steps(model, opt, idx, target, steps, backward_ctx=None, vocab=None, scale=1.0):
     fb, op = [], []
     for i in range(steps + 2):  # 2 warm-up steps, as strata_bench
@@ -109,13 +122,7 @@ def timed_steps(model, opt, idx, target, steps, backward_ctx=None, vocab=None, s
             torch.cuda.reset_peak_memory_stats()
         e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
-        out = model(idx)
-        loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
-        if backward_ctx:
-            with backward_ctx():
-                loss.backward()
-        else:
-            loss.backward()
+        forward_backward(model, idx, target, backward_ctx, vocab, scale)
         e1.record()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -134,13 +141,7 @@ def profile_step(model, idx, target, path, backward_ctx=None, vocab=None):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("peer::forward_backward"):
-            out = model(idx)
-            loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1))
-            if backward_ctx:
-                with backward_ctx():
-                    loss.backward()
-            else:
-                loss.backward()
+            forward_backward(model, idx, target, backward_ctx, vocab)
             torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     model.zero_grad(set_to_none=True)
@@ -250,12 +251,7 @@ def check_parity(kind, offload_py):
         results = []
         for k in ("torch_baseline", kind):
             model, _, ctx, _ = build_peer(k, c, dev, offload_py)
-            loss = F.cross_entropy(model(idx).reshape(-1, c["vocab"]), target.reshape(-1))
-            if ctx:
-                with ctx():
-                    loss.backward()
-            else:
-                loss.backward()
+            loss = forward_backward(model, idx, target, ctx, c["vocab"])
             torch.cuda.synchronize()
             grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
             results.append((loss.item(), grads))
