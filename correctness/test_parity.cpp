@@ -111,6 +111,30 @@ TEST_P(Parity, a_second_attach_is_refused) {
   EXPECT_LT(s->train_step(batch), before);
 }
 
+TEST_P(Parity, calls_before_attach_are_errors_that_say_so) {
+  // strategy.h: before attach() only name(), accumulates_gradients(), world_size() and
+  // reset_stats() answer; every call that needs the model is an Error naming attach().
+  StrategyConfig config;
+  config.device = test::device();
+  config.options = Registry::required_options(GetParam());
+  auto s = Registry::create(GetParam(), config);
+  EXPECT_EQ(s->name(), GetParam());
+  s->accumulates_gradients();
+  EXPECT_GE(s->world_size(), 1);
+  s->reset_stats();
+  const auto batch = models::make_batch(tiny_gpt_, 2, 5);
+  const std::vector<std::pair<const char*, std::function<void()>>> calls{
+      {"train_step", [&] { s->train_step(batch); }},
+      {"forward", [&] { s->forward(batch.input); }},
+      {"optimizer_step", [&] { s->optimizer_step(); }},
+      {"gradients", [&] { s->gradients(); }},
+      {"parameters", [&] { s->parameters(); }},
+      {"buffers", [&] { s->buffers(); }},
+      {"stats", [&] { s->stats(); }}};
+  for (const auto& [what, call] : calls)
+    EXPECT_THAT(test::error_of(call), HasSubstr("attach() a model first")) << what;
+}
+
 TEST_P(Parity, leaves_the_model_usable_for_more_steps) {
   // Ten steps in a row, forward-only in between: the state a step leaves must serve the next.
   const auto& model = tiny_gpt_;

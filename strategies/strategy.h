@@ -56,7 +56,9 @@ class Strategy {
   virtual std::string name() const = 0;
   /// Takes over placement of the model's parameters and buffers (move, wrap, shard or stage them).
   /// Once per strategy object: a second call is an Error (a strategy's buffers, streams and
-  /// optimizer state belong to one model; build a new strategy for another).
+  /// optimizer state belong to one model; build a new strategy for another). Before attach() only
+  /// name(), accumulates_gradients(), world_size() and reset_stats() answer; every other call is
+  /// an Error that says to attach a model first.
   void attach(models::BlockModel model);
   /// Forward and backward over `batch` (host tensors); returns the mean loss over its targets
   /// (kIgnoreIndex ones left out). Gradients accumulate over train_steps until optimizer_step(),

@@ -51,11 +51,14 @@ ParityCase ParityCase::parse(const std::string& text) {
   return c;
 }
 
-models::BlockModel ParityCase::build() const { return chain ? chain->build(seed) : models::build_model(model, seed); }
+models::BlockModel ParityCase::build() const {
+  if (own) return own->build(seed);
+  return chain ? chain->build(seed) : models::build_model(model, seed);
+}
 
 models::Batch ParityCase::batch(int step, int micro) const {
   const uint64_t s = seed + 1000 + static_cast<uint64_t>(step) + 7919 * static_cast<uint64_t>(micro);
-  auto b = chain ? chain->make_batch(batch_size, s) : models::make_batch(model, batch_size, s);
+  auto b = own ? own->batch(batch_size, s) : chain ? chain->make_batch(batch_size, s) : models::make_batch(model, batch_size, s);
   if (ignore_targets) {
     auto gen = at::detail::createCPUGenerator(s ^ 0x16A0BEULL);
     auto drop = torch::randint(3, {b.target.numel()}, gen, torch::TensorOptions().dtype(torch::kLong)) == 0;

@@ -65,10 +65,20 @@ inline constexpr int kPerturbedReferences = 4;
 /// training.
 inline constexpr double kParityAdamwEps = 1e-5;
 
-/// What a parity case trains: a preset kind at some size, or a chain of library blocks.
+/// A model of the caller's own for a parity case: its blocks (any Block subclasses, tied
+/// parameters, buffers and frozen parameters included) and its batches.
+struct OwnModel {
+  std::string name;                                                        ///< how messages name the model
+  std::function<models::BlockModel(uint64_t seed)> build;                  ///< the same model for the same seed
+  std::function<models::Batch(int64_t batch_size, uint64_t seed)> batch;   ///< host tensors, the same for the same seed
+};
+
+/// What a parity case trains: a preset kind at some size, a chain of library blocks, or a model
+/// of the caller's own.
 struct ParityCase {
   models::ModelConfig model;
   std::optional<ChainSpec> chain;             ///< when set, the model is this chain and `model` is unused
+  std::optional<OwnModel> own;                ///< when set, the model is this one and `model`, `chain` are unused
   int64_t batch_size = 2;
   uint64_t seed = 0;
   int steps = 3;                              ///< optimizer steps, each after one train_step
@@ -76,14 +86,14 @@ struct ParityCase {
   std::map<std::string, std::string> options; ///< the strategy's own options
 
   /// "gpt(depth=1 ...) batch=1 seed=145 steps=3 balance=3 classifier_shards=2": the model, the
-  /// case's own fields, then the options; parse() reads it back.
+  /// case's own fields, then the options; parse() reads it back (not for a model of one's own).
   std::string to_string() const;
   static ParityCase parse(const std::string& text);
 
   models::BlockModel build() const;
   /// The batch of optimizer step `step` (its `micro`-th when it accumulates several).
   models::Batch batch(int step, int micro = 0) const;
-  std::string model_text() const { return chain ? chain->to_string() : model.to_string(); }
+  std::string model_text() const { return own ? own->name : chain ? chain->to_string() : model.to_string(); }
 };
 
 struct ParityResult {

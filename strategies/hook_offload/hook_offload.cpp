@@ -427,6 +427,7 @@ int64_t HookOffload::references_held() const {
 }
 
 Stats HookOffload::stats() {
+  model();  // before attach: an Error, as every strategy's
   Stats s;
   s.bytes_h2d = bytes_h2d_;
   s.bytes_d2h = bytes_d2h_;

@@ -477,6 +477,7 @@ NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
 NamedTensors Sharded::buffers() { return host_copies(model().buffers()); }
 
 Stats Sharded::stats() {
+  model();  // before attach: an Error, as every strategy's
   Stats s;
   s.bytes_h2d = bytes_h2d_;
   s.bytes_d2h = bytes_d2h_;
