@@ -1,12 +1,15 @@
 #pragma once
 // Shared by the benchmark binaries: the parity check every cell runs before it times anything.
 #include <algorithm>
+#include <cstdio>
 #include <map>
+#include <regex>
 #include <string>
 
 #include "correctness/support/parity.h"
 #include "models/check.h"
 #include "models/model.h"
+#include "models/sizes.h"
 #include "strategies/device/device.h"
 #include "strategies/options.h"
 #include "strategies/pipeline/pipeline.h"
@@ -146,6 +149,59 @@ inline std::string label_with_options(const std::string& strategy, const std::ma
     first = false;
   }
   return out + "]";
+}
+
+/// The value of a numeric command-line argument `--key=text`; anything but a number is an Error
+/// naming the argument.
+inline int64_t int_arg(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    const auto n = std::stoll(text, &used);
+    if (used == text.size()) return n;
+  } catch (const std::exception&) {
+  }
+  STRATA_FAIL("--" << key << "=" << text << " is not a whole number");
+}
+inline double real_arg(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    const auto x = std::stod(text, &used);
+    if (used == text.size()) return x;
+  } catch (const std::exception&) {
+  }
+  STRATA_FAIL("--" << key << "=" << text << " is not a number");
+}
+
+/// What the command-line tools print for a rejected argument: the message without the source
+/// location (" [file:line]") that a strata::Error carries for developers.
+inline std::string for_the_user(const std::string& what) {
+  static const std::regex location(R"( \[[^\[\]]+:[0-9]+\]$)");
+  return std::regex_replace(what, location, "");
+}
+
+/// The exit statuses both tools share, for their --help.
+inline constexpr const char* kExitStatuses =
+    "exit status: 0 every cell ran (a cell out of memory is a result and counts as run); 1 a cell failed\n"
+    "parity or errored; 2 a bad argument (named on stderr)\n";
+
+/// --list: the registered strategies with their descriptions and the options they need, then the
+/// model presets with their sizes (counted from the config: nothing is built).
+inline void print_list() {
+  std::printf("strategies (options of each: README.md, \"Use a strategy in your trainer\")\n");
+  for (const auto& name : Registry::names()) {
+    std::printf("  %-22s %s\n", name.c_str(), Registry::description(name).c_str());
+    for (const auto& [key, example] : Registry::required_options(name))
+      std::printf("  %-22s   needs %s=..., e.g. %s=%s\n", "", key.c_str(), key.c_str(), example.c_str());
+  }
+  std::printf("\nmodel presets\n");
+  for (const auto& p : models::presets()) {
+    const double params = static_cast<double>(models::parameter_count(p.config));
+    const std::string size = params >= 1e9 ? std::to_string(params / 1e9).substr(0, 4) + "B"
+                                           : params >= 1e6 ? std::to_string(params / 1e6).substr(0, 5) + "M"
+                                                           : std::to_string(static_cast<long>(params));
+    std::printf("  %-14s %8s parameters  batch %-4ld %s\n  %-14s %s\n", p.name.c_str(), size.c_str(),
+                static_cast<long>(p.batch_size), p.note.c_str(), "", p.config.to_string().c_str());
+  }
 }
 
 }  // namespace strata::bench

@@ -18,6 +18,7 @@
 // its kernels beside a peer's, bench/profile.sh runs both sides).
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -46,31 +47,48 @@ struct Args {
   std::string profile_dir;                    ///< where one profiled forward+backward per strategy goes
 };
 
+constexpr const char* kUsage =
+    "usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N] [--strategies=a,b]\n"
+    "                      [--optimizer=sgd|adamw] [--inference] [--no-tf32] [--classes=N]\n"
+    "                      [--options='k=v;strategy:k=v'] [--profile=DIR] | --list | --help\n"
+    "Checks each strategy's parity with the baseline, then times training steps of the model and prints\n"
+    "one table: step, forward+backward and optimizer time, peak memory per device, bytes moved.\n"
+    "  --model       a preset (--list shows them; default gpt-tiny on the CPU, gpt-871m on a GPU)\n"
+    "  --strategies  registered strategies, comma-separated (default: every one that needs no options)\n"
+    "  --options     options for every strategy, or strategy:key=value for one, ';'-separated\n"
+    "  --inference   forward only; --no-tf32: full fp32 matrix products on the GPU\n"
+    "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n";
+
 Args parse_args(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s%s", kUsage, bench::kExitStatuses);
+      std::exit(0);
+    }
+    if (arg == "--list") {
+      bench::print_list();
+      std::exit(0);
+    }
     auto value = [&](const char* key) -> const char* {
       const std::string prefix = std::string("--") + key + "=";
       return arg.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
     };
     if (const char* v = value("model")) a.model = v;
     else if (const char* v = value("device")) a.device = v;
-    else if (const char* v = value("steps")) a.steps = std::atoi(v);
-    else if (const char* v = value("batch")) a.batch = std::atoll(v);
+    else if (const char* v = value("steps")) a.steps = static_cast<int>(bench::int_arg("steps", v));
+    else if (const char* v = value("batch")) a.batch = bench::int_arg("batch", v);
     else if (const char* v = value("optimizer")) a.optimizer = v;
     else if (arg == "--inference") a.inference = true;
-    else if (const char* v = value("classes")) a.classes = std::atoll(v);
+    else if (const char* v = value("classes")) a.classes = bench::int_arg("classes", v);
     else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
     else if (arg == "--no-tf32") a.tf32 = false;
     else if (const char* v = value("profile")) a.profile_dir = v;
     else if (const char* v = value("strategies")) {
       a.strategies = split(v);
     } else {
-      STRATA_FAIL("unknown argument '" << arg
-                              << "'; usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] "
-                                 "[--batch=N] [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32] "
-                                 "[--classes=N] [--options='k=v;strategy:k=v'] [--profile=DIR]");
+      STRATA_FAIL("unknown argument '" << arg << "' (strata_compare --help lists the arguments)");
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
@@ -226,7 +244,7 @@ int main(int argc, char** argv) {
   try {
     return strata::run(argc, argv);
   } catch (const std::exception& e) {
-    std::cerr << "strata_compare: " << e.what() << std::endl;
+    std::cerr << "strata_compare: " << strata::bench::for_the_user(e.what()) << std::endl;
     return 2;
   }
 }

@@ -122,10 +122,12 @@ int64_t gpus_used(const std::map<std::string, std::string>& options) {
 // Dense fp32 matmul rate (TF32 where enabled) on the device, measured: the denominator of
 // matmul_fraction (MFU's is the datasheet's).
 double measure_peak_tflops(const torch::Device& device) {
-  const int64_t n = device.is_cuda() ? 8192 : 1024;
+  // Sizes at which the matrix units run at their rate (a 1024^3 product on a CPU mostly measures
+  // thread start-up): 8192^3 on a GPU, 2048^3 (17 GFLOP, a fraction of a second) on a CPU.
+  const int64_t n = device.is_cuda() ? 8192 : 2048;
   auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
   auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
-  for (int i = 0; i < 3; ++i) torch::mm(a, b);
+  for (int i = 0; i < (device.is_cuda() ? 3 : 1); ++i) torch::mm(a, b);
   device::Stopwatch watch(device);
   const int reps = device.is_cuda() ? 20 : 3;
   device::synchronize(device);
@@ -372,12 +374,34 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
   }
 }
 
+constexpr const char* kUsage =
+    "usage: strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N] [--batch=N]\n"
+    "                    [--classes=N] [--optimizer=sgd|adamw] [--options='k=v;strategy:k=v'] [--peak-tflops=X]\n"
+    "                    [Google Benchmark's --benchmark_* flags] | --list | --list-strategies | --help\n"
+    "The benchmark matrix: every strategy x model preset a cell, each parity-checked before it is timed.\n"
+    "  --models        presets (--list shows them; default mlp-tiny,gpt-tiny,bert-tiny on the CPU,\n"
+    "                  gpt-medium,gpt-871m on a GPU)\n"
+    "  --strategies    registered strategies (default: every one that needs no options;\n"
+    "                  --list-strategies prints that list, one per line)\n"
+    "  --options       options for every strategy, or strategy:key=value for one, ';'-separated\n"
+    "  --peak-tflops   the matmul rate to report against (default: measured at start)\n"
+    "  --benchmark_out=FILE --benchmark_out_format=json --benchmark_repetitions=N: Google Benchmark's\n"
+    "Counters and formulas: bench/METRICS.md.\n";
+
 int run(int argc, char** argv) {
   Settings s;
   s.device = device::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s%s", kUsage, kExitStatuses);
+      return 0;
+    }
+    if (arg == "--list") {
+      print_list();
+      return 0;
+    }
     if (arg == "--list-strategies") {  // for scripts: what a run without --strategies covers, one per line
       for (const auto& name : Registry::default_names()) std::printf("%s\n", name.c_str());
       return 0;
@@ -390,14 +414,17 @@ int run(int argc, char** argv) {
     if (auto v = value("device")) s.device = device::parse(*v);
     else if (auto v = value("models")) s.models = split(*v);
     else if (auto v = value("strategies")) s.strategies = split(*v);
-    else if (auto v = value("steps")) s.steps = std::stoi(*v);
-    else if (auto v = value("peak-tflops")) s.peak_tflops = std::stod(*v);
+    else if (auto v = value("steps")) s.steps = static_cast<int>(int_arg("steps", *v));
+    else if (auto v = value("peak-tflops")) s.peak_tflops = real_arg("peak-tflops", *v);
     else if (auto v = value("optimizer")) s.optimizer = parse_optimizer_kind(*v);
-    else if (auto v = value("classes")) s.classes = std::stoll(*v);
-    else if (auto v = value("batch")) s.batch = std::stoll(*v);
+    else if (auto v = value("classes")) s.classes = int_arg("classes", *v);
+    else if (auto v = value("batch")) s.batch = int_arg("batch", *v);
     else if (auto v = value("options")) s.options = parse_options_arg(*v);
     else {
-      if (auto v = value("benchmark_repetitions")) s.repetitions = std::max(1, std::stoi(*v));
+      // Google Benchmark's own flags pass through; anything else is a mistake to name now.
+      STRATA_CHECK(arg.rfind("--benchmark_", 0) == 0 || arg.rfind("--v=", 0) == 0,
+                   "unknown argument '" << arg << "' (strata_bench --help lists the arguments)");
+      if (auto v = value("benchmark_repetitions")) s.repetitions = std::max<int>(1, static_cast<int>(int_arg("benchmark_repetitions", *v)));
       rest.push_back(argv[i]);
     }
   }
@@ -493,7 +520,7 @@ int main(int argc, char** argv) {
   try {
     return strata::bench::run(argc, argv);
   } catch (const std::exception& e) {
-    std::cerr << "strata_bench: " << e.what() << std::endl;
+    std::cerr << "strata_bench: " << strata::bench::for_the_user(e.what()) << std::endl;
     return 2;
   }
 }

@@ -8,6 +8,7 @@
 
 #include "correctness/support/test_device.h"
 #include "models/model.h"
+#include "models/sizes.h"
 
 namespace strata {
 namespace {
@@ -63,6 +64,24 @@ TEST(Models, tied_parameter_is_one_tensor_under_its_first_name) {
   // Same tensor in both blocks.
   auto head_params = model.blocks()[head]->named_parameters();
   EXPECT_EQ(head_params["weight"].unsafeGetTensorImpl(), params.front().tensor.unsafeGetTensorImpl());
+}
+
+TEST(Models, parameter_count_from_the_config_equals_the_built_models) {
+  // Every preset small enough to build here, and each kind tied and untied at other sizes: the
+  // count that --list prints for presets too large to build must be the built model's.
+  int built = 0;
+  for (const auto& p : models::presets()) {
+    if (models::parameter_count(p.config) > 30'000'000) continue;
+    EXPECT_EQ(models::parameter_count(p.config), models::build_model(p.config, 0).parameter_count()) << p.name;
+    ++built;
+  }
+  EXPECT_GE(built, 5);
+  for (const char* text : {"mlp(depth=3 width=24 classes=6 in_features=6 tied=1)", "mlp(depth=1 width=8 classes=3 in_features=5 tied=0)",
+                           "gpt(depth=3 width=16 heads=2 vocab=40 seq_len=6 tied=0)",
+                           "bert(depth=1 width=16 heads=4 vocab=30 seq_len=5 classes=7)"}) {
+    const auto c = models::ModelConfig::parse(text);
+    EXPECT_EQ(models::parameter_count(c), models::build_model(c, 0).parameter_count()) << text;
+  }
 }
 
 TEST(Models, mlp_tied_output_uses_the_input_weight) {

@@ -48,6 +48,25 @@ def fmt(x, spec=".1f"):
     return "—" if x is None else format(x, spec)
 
 
+def byte_unit(values):
+    """(name, divisor) of the unit that suits the largest of `values` (bytes): a table of kilobytes
+    reads in KiB, not as 0.00 GiB."""
+    top = max((v for v in values if v), default=0)
+    for name, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if top >= div:
+            return name, div
+    return "B", 1
+
+
+def rate_unit(values):
+    """The same for bytes per step in decimal units (GB, MB, kB), as link rates are quoted."""
+    top = max((v for v in values if v), default=0)
+    for name, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if top >= div:
+            return name, div
+    return "B", 1
+
+
 def status(r):
     """The cell's outcome; strata_bench writes it as the first words of the error message."""
     if not r["failed"]:
@@ -145,11 +164,15 @@ def main():
     if args.command:
         out.append(f"Produced by:\n\n```sh\n{args.command}\n```\n")
     sheet = float(context.get("datasheet_tflops", 0) or 0)
+    matmul_text = (f"matmul peak {sheet:.4g} TFLOP/s per GPU by datasheet (MFU's denominator, times the GPUs a "
+                   f"cell uses) and {peak:.3g} measured (the 'of measured matmul' column's)" if sheet else
+                   f"no datasheet matmul figure for this device (MFU not reported); matmul measured at "
+                   f"{peak:.3g} TFLOP/s (the 'of measured matmul' column's)")
+    link_text = f"; pinned host-to-device link {link:.1f} GB/s" if link else ""
     out.append(f"Device {context.get('strata_device', '?')} ({context.get('device_name', '?')}), host CPU "
-               f"{context.get('host_cpu', '?')}, LibTorch {context.get('torch_version', '?')}; matmul peak "
-               f"{sheet:.4g} TFLOP/s per GPU by datasheet (MFU's denominator, times the GPUs a cell uses) and "
-               f"{peak:.3g} measured (the 'of measured matmul' column's); pinned host-to-device link {link:.1f} "
-               f"GB/s; {context.get('date', '')}. Counters and formulas: bench/METRICS.md. Peers: PyTorch "
+               f"{context.get('host_cpu', '?')}, LibTorch {context.get('torch_version', '?')}; "
+               f"{matmul_text}{link_text}; "
+               f"{context.get('date', '')}. Counters and formulas: bench/METRICS.md. Peers: PyTorch "
                f"{peer_context.get('torch_version', '—')} on the same model and batch. Figures are medians over "
                f"{max((r['repetitions'] for r in rows if r['source'] == 'strata'), default=1)} repetitions where "
                f"the run repeated.\n")
@@ -159,8 +182,19 @@ def main():
         rs = [r for r in rows if r["model"] == model]
         base = {r["strategy"]: r for r in rs if r["source"] == "peer" and not r["failed"]}
         out.append(f"\n## {model}\n")
-        head = ("| strategy | | step ms | fwd+bwd ms | optim ms | items/s | peak alloc GiB | peak reserved GiB | "
-                "H2D GB/step | D2H GB/step | H2D GB/s | MFU | of measured matmul |")
+        ran = [r for r in rs if not r["failed"]]
+        # Allocator peaks exist on GPUs; on the CPU the strategies' own accounting of the parameter
+        # bytes they hold on the device is what differs between them.
+        has_allocator = any(r.get("peak_allocated_bytes", 0) for r in ran)
+        mem_keys = ["peak_allocated_bytes", "peak_reserved_bytes"] if has_allocator else ["peak_param_bytes"]
+        mem_unit, mem_div = byte_unit([r.get(k, 0) or 0 for r in ran for k in mem_keys])
+        mem_head = (f"peak alloc {mem_unit} | peak reserved {mem_unit}" if has_allocator
+                    else f"peak resident params {mem_unit} (strategy accounting) |")
+        if has_allocator:
+            mem_head += " |"
+        xfer_unit, xfer_div = rate_unit([r.get(k) or 0 for r in ran for k in ("h2d_bytes_per_step", "d2h_bytes_per_step")])
+        head = (f"| strategy | | step ms | fwd+bwd ms | optim ms | items/s | {mem_head} "
+                f"H2D {xfer_unit}/step | D2H {xfer_unit}/step | H2D GB/s | MFU | of measured matmul |")
         peers_cols = [p for p in ("torch_baseline", "torch_checkpoint", "fsdp2_cpu_offload") if p in base]
         for p in peers_cols:
             head += f" step / {p} | peak / {p} |"
@@ -172,8 +206,8 @@ def main():
                 continue
             line = (f"| {r['strategy']}{'' if r['source'] == 'strata' else ' (peer)'} | {status(r)} | {fmt(r.get('real_time'))} | "
                     f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('optimizer_ms'))} | {fmt(r.get('items_per_second'), '.0f')} | "
-                    f"{fmt(r.get('peak_allocated_bytes', 0) / GIB, '.2f')} | {fmt(r.get('peak_reserved_bytes', 0) / GIB, '.2f')} | "
-                    f"{fmt((r.get('h2d_bytes_per_step') or 0) / 1e9, '.2f')} | {fmt((r.get('d2h_bytes_per_step') or 0) / 1e9, '.2f')} | "
+                    + "".join(f"{fmt((r.get(k, 0) or 0) / mem_div, '.2f')} | " for k in mem_keys) +
+                    f"{fmt((r.get('h2d_bytes_per_step') or 0) / xfer_div, '.2f')} | {fmt((r.get('d2h_bytes_per_step') or 0) / xfer_div, '.2f')} | "
                     f"{fmt(r.get('h2d_GBps'))} | {fmt(r.get('mfu'), '.2f')} | {fmt(r.get('matmul_fraction'), '.2f')} |")
             for p in peers_cols:
                 line += (f" {r['real_time'] / base[p]['real_time']:.2f} | "
@@ -199,16 +233,17 @@ def main():
     # Allocator peaks exist on GPUs only; on a CPU machine plot the strategies' own accounting.
     allocator = any(r.get("peak_allocated_bytes", 0) for r in rows if not r["failed"])
     memory_key = "peak_allocated_bytes" if allocator else "peak_param_bytes"
-    memory_label = "peak allocated GiB" if allocator else "peak resident parameter GiB (strategy accounting)"
-    bar_chart(rows, models, memory_key, "GiB", "Peak device memory" if allocator else "Peak resident parameters",
-              os.path.join(args.out, "memory.png"), 1.0 / GIB)
+    unit, div = byte_unit([r.get(memory_key, 0) or 0 for r in rows if not r["failed"]])
+    memory_label = f"peak allocated {unit}" if allocator else f"peak resident parameter {unit} (strategy accounting)"
+    bar_chart(rows, models, memory_key, unit, "Peak device memory" if allocator else "Peak resident parameters",
+              os.path.join(args.out, "memory.png"), 1.0 / div)
     # Memory against speed: lower-left is better.
     fig, axes = panels(len(models))
     for ax, model in zip(axes, models):
         for r in rows:
             if r["model"] != model or r["failed"]:
                 continue
-            y = (r.get(memory_key) or 0) / GIB
+            y = (r.get(memory_key) or 0) / div
             ax.scatter(r["real_time"], y, c="#4c72b0" if r["source"] == "strata" else "#dd8452")
             ax.annotate(r["strategy"], (r["real_time"], y), fontsize=7)
         ax.set_xlabel("step ms")

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Self-test of reports/make_report.py on synthetic runs: a CPU run (no allocator statistics) gets
+its memory from the strategies' own accounting, in a unit that fits kilobytes, and no MFU claim;
+a GPU run keeps allocator peaks in GiB. Runs in CI (ctest: cpu.make_report_self_test).
+
+  python3 bench/test_make_report.py
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAKE_REPORT = os.path.join(HERE, "..", "reports", "make_report.py")
+
+
+def cell(strategy, model, **counters):
+    row = {"name": f"{strategy}/{model}/iterations:2/manual_time", "run_type": "iteration", "real_time": 5.0,
+           "fwd_bwd_ms": 4.0, "optimizer_ms": 1.0, "items_per_second": 1000.0, "parity_ok": 1}
+    row.update(counters)
+    return row
+
+
+def report(context, cells):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "bench.json")
+        with open(path, "w") as f:
+            json.dump({"context": context, "benchmarks": cells}, f)
+        subprocess.run([sys.executable, MAKE_REPORT, "--strata", path, "--out", d], check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(d, "report.md")) as f:
+            return f.read()
+
+
+def main():
+    cpu = report({"strata_device": "cpu", "peak_tflops": 0.05},
+                 [cell("baseline", "gpt-tiny", peak_param_bytes=110080, peak_allocated_bytes=0,
+                       h2d_bytes_per_step=512),
+                  cell("hook_offload", "gpt-tiny", peak_param_bytes=50812, peak_allocated_bytes=0,
+                       h2d_bytes_per_step=234100, d2h_bytes_per_step=121100)])
+    gpu = report({"strata_device": "cuda:0", "peak_tflops": 400, "datasheet_tflops": 494.7, "h2d_link_GBps": 55},
+                 [cell("baseline", "gpt-871m", peak_allocated_bytes=31 * 2**30, peak_reserved_bytes=32 * 2**30,
+                       peak_param_bytes=3.5e9, mfu=0.38)])
+    checks = [
+        ("CPU memory from the strategies' accounting, in KiB", "peak resident params KiB (strategy accounting)" in cpu),
+        ("CPU values that differ, not 0.00", "| 107.50 |" in cpu and "| 49.62 |" in cpu),
+        ("CPU transfers in kB per step", "H2D kB/step" in cpu and "234.10" in cpu),
+        ("no datasheet claim on the CPU", "no datasheet matmul figure" in cpu and "pinned host-to-device" not in cpu),
+        ("GPU allocator peaks in GiB", "peak alloc GiB | peak reserved GiB" in gpu and "| 31.00 | 32.00 |" in gpu),
+        ("GPU datasheet and link quoted", "494.7 TFLOP/s per GPU by datasheet" in gpu and "55.0 GB/s" in gpu),
+    ]
+    failed = [what for what, ok in checks if not ok]
+    for what, ok in checks:
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    if failed:
+        print("--- CPU report ---\n" + cpu + "\n--- GPU report ---\n" + gpu)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
