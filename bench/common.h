@@ -5,6 +5,7 @@
 #include <map>
 #include <regex>
 #include <string>
+#include <type_traits>
 
 #include "correctness/support/parity.h"
 #include "models/check.h"
@@ -151,26 +152,21 @@ inline std::string label_with_options(const std::string& strategy, const std::ma
   return out + "]";
 }
 
-/// The value of a numeric command-line argument `--key=text`; anything but a number is an Error
-/// naming the argument.
-inline int64_t int_arg(const std::string& key, const std::string& text) {
+/// The value of a numeric command-line argument `--key=text` (a whole number for an integral T);
+/// anything else is an Error naming the argument.
+template <typename T>
+T number_arg(const std::string& key, const std::string& text) {
+  constexpr bool whole = std::is_integral_v<T>;
   try {
     size_t used = 0;
-    const auto n = std::stoll(text, &used);
-    if (used == text.size()) return n;
+    const T value = whole ? static_cast<T>(std::stoll(text, &used)) : static_cast<T>(std::stod(text, &used));
+    if (used == text.size()) return value;
   } catch (const std::exception&) {
   }
-  STRATA_FAIL("--" << key << "=" << text << " is not a whole number");
+  STRATA_FAIL("--" << key << "=" << text << (whole ? " is not a whole number" : " is not a number"));
 }
-inline double real_arg(const std::string& key, const std::string& text) {
-  try {
-    size_t used = 0;
-    const auto x = std::stod(text, &used);
-    if (used == text.size()) return x;
-  } catch (const std::exception&) {
-  }
-  STRATA_FAIL("--" << key << "=" << text << " is not a number");
-}
+inline int64_t int_arg(const std::string& key, const std::string& text) { return number_arg<int64_t>(key, text); }
+inline double real_arg(const std::string& key, const std::string& text) { return number_arg<double>(key, text); }
 
 /// What the command-line tools print for a rejected argument: the message without the source
 /// location (" [file:line]") that a strata::Error carries for developers.
