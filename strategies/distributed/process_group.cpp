@@ -441,7 +441,8 @@ std::shared_ptr<Group> group_for(const torch::Device& device) {
   static std::mutex mutex;
   // Never destroyed: a process group outlives every strategy, and NCCL's destructor at exit runs
   // after CUDA has shut down and aborts the process (seen on the GPU machine). The system reclaims
-  // it; the ranks' work is complete by then (every collective is waited for).
+  // it; the ranks' work is complete by then (every collective is waited for). NCCL groups are shut
+  // down, watchdog included, by an exit handler that runs before CUDA's teardown (nccl.cpp).
   static auto& groups = *new std::map<std::string, std::shared_ptr<Group>>();
   const std::string backend = backend_for(device);
   std::lock_guard<std::mutex> lock(mutex);
