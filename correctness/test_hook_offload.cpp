@@ -254,6 +254,28 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
   EXPECT_FALSE(r.ok) << "a missing wait went unnoticed";
 }
 
+// strata_bench stops backward's timer after finish_backward(): the gradient copies still running
+// when train_step returns belong to backward, not to the optimizer step that follows. Copies are
+// slowed here so that some are surely still running when train_step returns (else the check below
+// would see nothing); the tied presets add a second gradient on the host as well.
+TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
+  device::ScopedDelays delays({30ms, 0ms});
+  for (const auto* preset : {"gpt-tiny", "mlp-tied-tiny"}) {
+    for (int prefetch : {0, 2}) {
+      auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
+      const auto config = models::preset(preset).config;
+      s->attach(models::build_model(config, 0));
+      const auto batch = models::make_batch(config, 2, 1);
+      const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch);
+      s->train_step(batch);
+      EXPECT_TRUE(s->gradients_in_flight()) << where << ": no copy was running when train_step returned";
+      s->finish_backward();
+      EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
+      s->optimizer_step();
+    }
+  }
+}
+
 TEST(HookOffload, bad_options_name_the_value) {
   auto error_of = [](const std::map<std::string, std::string>& o, int64_t blocks = 0) {
     return test::error_of([&] {

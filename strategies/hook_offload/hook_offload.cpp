@@ -276,11 +276,14 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
       d2h_.copy(staging, flat);
       auto landed = d2h_.record();
-      host_.submit([landed, staging, grad = unit.host_grad] {
+      ++host_sums_pending_;
+      host_.submit([this, landed, staging, grad = unit.host_grad] {
         landed.synchronize();
         grad.add_(staging);
+        --host_sums_pending_;
       });
     }
+    last_copy_ = d2h_.record();
     if (options_.overlap_optimizer && --unit.pending_users == 0) {
       auto landed = d2h_.record();
       host_.submit([this, landed, &unit] {
@@ -297,6 +300,8 @@ void HookOffload::finish_backward() {
   // second gradient added on the host); with it, the optimizer updates run there too.
   if (!options_.overlap_optimizer) host_.drain();
 }
+
+bool HookOffload::gradients_in_flight() const { return host_sums_pending_ > 0 || !last_copy_.done(); }
 
 void HookOffload::finish_pending() {
   host_.drain();
@@ -454,6 +459,17 @@ std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
   return std::make_unique<HookOffload>(name, c, HookOffloadOptions::parse(options));
 }
 }  // namespace
+
+static const OptionDocumenter hook_offload_docs(
+    {"hook_offload", "hook_offload_sync", "hook_offload_overlap"},
+    {{"prefetch", "0..", "blocks fetched ahead of the one computing"},
+     {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
+     {"merge_last", "0/1", "the last block stays from its forward through its backward"},
+     {"resident", "block indices", "blocks kept on the device for good"},
+     {"overlap_optimizer", "0/1", "each unit updated on the host as soon as its gradients land"},
+     {"debug_poison", "0/1", "every fetched buffer filled with NaN before its copy", true},
+     {"debug_skip_waits", "0/1", "compute does not wait for its fetches (a deliberate bug)", true},
+     {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true}});
 
 STRATA_REGISTER_STRATEGY("hook_offload",
                          "parameters in pinned host memory, streamed block by block with prefetch; host optimizer",

@@ -13,6 +13,7 @@
 // are never sent back and never updated. Buffers (running statistics, fixed tables) live on the
 // device for good: they are small next to the weights, and a buffer the forward updates must keep
 // one value across forward, recompute and the next step.
+#include <atomic>
 #include <deque>
 #include <optional>
 
@@ -59,6 +60,10 @@ class HookOffload : public Strategy, public WindowedRunner {
   int64_t offloaded_bytes_on_device() const;
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
+  /// True while gradients are still on their way to the host: a copy queued, or a tied weight's
+  /// second gradient not yet added there. False after finish_backward(), so a timer that stops
+  /// after it has counted the whole of backward.
+  bool gradients_in_flight() const;
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -100,6 +105,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   torch::Tensor anchor_;  ///< requires grad, so every block's output does (even from token ids)
   device::Stream compute_, h2d_, d2h_;
   device::HostQueue host_;
+  device::Event last_copy_;  ///< after the latest gradient copy to the host
+  std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
