@@ -19,6 +19,7 @@ ranks (the whole batch in --micro-batches), checked the same way.
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --out=peers-x2.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --peers=torch_pp_1f1b --micro-batches=8 --out=pp.json
+  python3 bench/peers.py --self-test [--offload-py=PATH]   # the parity check fails a wrong peer, passes right ones
 """
 import argparse
 import importlib.util
@@ -230,7 +231,37 @@ def build_peer(kind, c, dev, offload_py):
         offload.offload(*blocks[:-1])
         offload.offload(blocks[-1], merge_forward_backward=True)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), offload.backward, blocks
+    if kind == SELF_TEST_BROKEN:
+        # Deliberately wrong, for --self-test: the plain model whose every gradient arrives doubled.
+        model = GPT(c, checkpoint=False).to(dev)
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, None
     raise ValueError(f"unknown peer {kind}")
+
+
+SELF_TEST_BROKEN = "self_test_doubled_gradients"
+
+
+def self_test(offload_py):
+    """The parity check must fail a peer that is wrong and pass one that is right: a peer whose
+    gradients are doubled, then torch_checkpoint (and seed_offload when its file is given)."""
+    ok = True
+    broken, worst = check_parity(SELF_TEST_BROKEN, offload_py)
+    print(f"peers.py: self-test: doubled gradients -> parity {'passed' if broken else 'failed'} "
+          f"(largest relative difference {worst:.3g})", file=sys.stderr, flush=True)
+    if broken is not False:
+        print("peers.py: self-test FAILED: the parity check passed a peer with doubled gradients", file=sys.stderr)
+        ok = False
+    right = ["torch_checkpoint"] + (["seed_offload"] if offload_py and os.path.exists(offload_py) else [])
+    for kind in right:
+        passed, worst = check_parity(kind, offload_py)
+        print(f"peers.py: self-test: {kind} -> parity {'passed' if passed else 'failed'} "
+              f"(largest relative difference {worst:.3g})", file=sys.stderr, flush=True)
+        if not passed:
+            print(f"peers.py: self-test FAILED: the parity check failed {kind}", file=sys.stderr)
+            ok = False
+    return 0 if ok else 1
 
 
 def full(t):
@@ -564,12 +595,18 @@ def main():
     ap.add_argument("--offload-py", help="path to seed 003's offload.py (needed by the seed_offload peer)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the JSON to write (required unless --self-test)")
+    ap.add_argument("--self-test", action="store_true",
+                    help="only show that the parity check fails a deliberately wrong peer and passes right ones")
     ap.add_argument("--profile", metavar="DIR",
                     help="after timing, record one forward+backward of each one-process peer into DIR/<peer>.trace.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peers.py: needs a CUDA device")
+    if args.self_test:
+        return self_test(args.offload_py)
+    if not args.out:
+        ap.error("--out is required")
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if args.peers == ap.get_default("peers"):
             args.peers = "ddp,fsdp2,fsdp2_cpu_offload"

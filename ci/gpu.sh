@@ -63,6 +63,9 @@ for label in cpu cuda multigpu; do
   fi
 done 2>&1 | tee "$outdir/labels.txt"
 grep -q "not every test\|should skip" "$outdir/labels.txt" && status=1
+# The peers' parity check must be able to fail: it is shown a peer with doubled gradients, then right ones.
+PYTHONUNBUFFERED=1 python3 bench/peers.py --self-test --offload-py="${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}" 2>&1 \
+  | tee "$outdir/peers-self-test.txt" || { echo "ci/gpu.sh: the peers' parity self-test failed"; status=1; }
 fi
 [[ ",$phases," == *,bench,* ]] || exit $status
 
