@@ -182,12 +182,27 @@ inline constexpr const char* kExitStatuses =
 
 /// --list: the registered strategies with their descriptions and the options they need, then the
 /// model presets with their sizes (counted from the config: nothing is built).
+/// A strategy option's default as `--list` shows it.
+inline std::string shown_default(const OptionInfo& o) {
+  if (o.required) return "required, e.g. " + o.fallback;
+  return o.fallback.empty() ? "(none)" : o.fallback;
+}
+
+/// The registered strategies with their options, and the model presets (`--list`).
 inline void print_list() {
-  std::printf("strategies (options of each: README.md, \"Use a strategy in your trainer\")\n");
+  std::printf("strategies, each with its options (key=default: values; what it does)\n");
   for (const auto& name : Registry::names()) {
     std::printf("  %-22s %s\n", name.c_str(), Registry::description(name).c_str());
-    for (const auto& [key, example] : Registry::required_options(name))
-      std::printf("  %-22s   needs %s=..., e.g. %s=%s\n", "", key.c_str(), key.c_str(), example.c_str());
+    std::string for_tests;
+    for (const auto& o : Registry::options(name)) {
+      if (o.doc.for_tests) {
+        for_tests += (for_tests.empty() ? "" : ", ") + o.key;
+        continue;
+      }
+      const std::string head = o.key + "=" + shown_default(o);
+      std::printf("      %-28s %s; %s\n", head.c_str(), o.doc.values.c_str(), o.doc.text.c_str());
+    }
+    if (!for_tests.empty()) std::printf("      for tests only: %s\n", for_tests.c_str());
   }
   std::printf("\nmodel presets\n");
   for (const auto& p : models::presets()) {
@@ -198,6 +213,63 @@ inline void print_list() {
     std::printf("  %-14s %8s parameters  batch %-4ld %s\n  %-14s %s\n", p.name.c_str(), size.c_str(),
                 static_cast<long>(p.batch_size), p.note.c_str(), "", p.config.to_string().c_str());
   }
+}
+
+/// The options of every strategy as the README's Markdown table (`--list=markdown`): strategies
+/// whose parser and documentation are the same share rows, and a default that differs between
+/// them names each one's.
+inline void print_options_markdown() {
+  struct Group {
+    std::vector<std::string> names;
+    std::vector<std::vector<OptionInfo>> options;  // per name
+  };
+  std::vector<Group> groups;
+  auto signature = [](const std::vector<OptionInfo>& options) {
+    std::string s;
+    for (const auto& o : options) s += o.key + "|" + o.doc.values + "|" + o.doc.text + "|" + (o.doc.for_tests ? "t" : "") + "\n";
+    return s;
+  };
+  for (const auto& name : Registry::names()) {
+    auto options = Registry::options(name);
+    if (!groups.empty() && signature(groups.back().options.front()) == signature(options)) {
+      groups.back().names.push_back(name);
+      groups.back().options.push_back(std::move(options));
+    } else {
+      groups.push_back({{name}, {std::move(options)}});
+    }
+  }
+  auto code = [](const std::string& t) { return "`" + t + "`"; };
+  std::printf("| strategy | option | values | default | what it does |\n| --- | --- | --- | --- | --- |\n");
+  std::string for_tests;
+  for (const auto& g : groups) {
+    std::string names;
+    for (const auto& n : g.names) names += (names.empty() ? "" : ", ") + n;
+    const auto& first = g.options.front();
+    bool shown_names = false;
+    std::string tests;
+    for (size_t k = 0; k < first.size(); ++k) {
+      if (first[k].doc.for_tests) {
+        tests += (tests.empty() ? "" : ", ") + code(first[k].key);
+        continue;
+      }
+      // The most common default, then the strategies that differ from it.
+      auto cell = [&](const OptionInfo& o) { return o.fallback.empty() && !o.required ? "none" : code(shown_default(o)); };
+      std::map<std::string, int> count;
+      for (const auto& o : g.options) ++count[cell(o[k])];
+      std::string common = cell(first[k]);
+      for (const auto& o : g.options)
+        if (count[cell(o[k])] > count[common]) common = cell(o[k]);
+      std::string others;
+      for (size_t n = 0; n < g.names.size(); ++n)
+        if (cell(g.options[n][k]) != common) others += (others.empty() ? "" : ", ") + g.names[n] + ": " + cell(g.options[n][k]);
+      const std::string shown = common + (others.empty() ? "" : " (" + others + ")");
+      std::printf("| %s | %s | %s | %s | %s |\n", shown_names ? "" : names.c_str(), code(first[k].key).c_str(),
+                  first[k].doc.values.c_str(), shown.c_str(), first[k].doc.text.c_str());
+      shown_names = true;
+    }
+    if (!tests.empty()) for_tests += "- " + names + ": " + tests + "\n";
+  }
+  if (!for_tests.empty()) std::printf("\nOptions for tests only (each plants or exposes a specific bug):\n\n%s", for_tests.c_str());
 }
 
 }  // namespace strata::bench

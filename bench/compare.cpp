@@ -50,14 +50,16 @@ struct Args {
 constexpr const char* kUsage =
     "usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N] [--strategies=a,b]\n"
     "                      [--optimizer=sgd|adamw] [--inference] [--no-tf32] [--classes=N]\n"
-    "                      [--options='k=v;strategy:k=v'] [--profile=DIR] | --list | --help\n"
+    "                      [--options='k=v;strategy:k=v'] [--profile=DIR] | --list[=markdown] | --help\n"
     "Checks each strategy's parity with the baseline, then times training steps of the model and prints\n"
     "one table: step, forward+backward and optimizer time, peak memory per device, bytes moved.\n"
     "  --model       a preset (--list shows them; default gpt-tiny on the CPU, gpt-871m on a GPU)\n"
     "  --strategies  registered strategies, comma-separated (default: every one that needs no options)\n"
     "  --options     options for every strategy, or strategy:key=value for one, ';'-separated\n"
     "  --inference   forward only; --no-tf32: full fp32 matrix products on the GPU\n"
-    "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n";
+    "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n"
+    "  --list        strategies with their options and defaults, and the presets (=markdown: the\n"
+    "                options as the README's table)\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -69,6 +71,10 @@ Args parse_args(int argc, char** argv) {
     }
     if (arg == "--list") {
       bench::print_list();
+      std::exit(0);
+    }
+    if (arg == "--list=markdown") {  // the README's table of options
+      bench::print_options_markdown();
       std::exit(0);
     }
     auto value = [&](const char* key) -> const char* {

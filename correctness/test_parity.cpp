@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <regex>
+#include <set>
 
 #include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
@@ -133,6 +134,44 @@ TEST_P(Parity, calls_before_attach_are_errors_that_say_so) {
       {"stats", [&] { s->stats(); }}};
   for (const auto& [what, call] : calls)
     EXPECT_THAT(test::error_of(call), HasSubstr("attach() a model first")) << what;
+}
+
+TEST_P(Parity, every_option_is_documented_and_every_documented_option_exists) {
+  // Registry::options lists what the parser asks for; --list and the README's table print it with
+  // the documentation the strategy registers. Both must cover each other, and each listed default
+  // must be a value the parser takes.
+  const auto& name = GetParam();
+  const auto options = Registry::options(name);
+  std::set<std::string> asked;
+  for (const auto& o : options) {
+    asked.insert(o.key);
+    EXPECT_FALSE(o.doc.text.empty()) << name << ": option " << o.key << " has no documentation";
+    EXPECT_FALSE(o.doc.values.empty()) << name << ": option " << o.key << " documents no values";
+  }
+  for (const auto& d : Registry::documented(name))
+    EXPECT_TRUE(asked.count(d.key)) << name << ": documents option " << d.key << ", which its parser does not know";
+  // The parser's own list of known options (its error for an unknown one) is the recorded list.
+  StrategyConfig config;
+  config.options = Registry::required_options(name);
+  config.options["no_such_option"] = "1";
+  const auto refusal = test::error_of([&] { Registry::create(name, config); });
+  const std::string known = "; known options: ";
+  const auto at = refusal.find(known);
+  ASSERT_NE(at, std::string::npos) << name << ": " << refusal;
+  auto list = refusal.substr(at + known.size());
+  list = list.substr(0, list.rfind(" ["));  // the source location an Error carries
+  const auto listed = split(list, ',');
+  std::set<std::string> parser_knows;
+  for (auto key : listed) parser_knows.insert(key.substr(key.find_first_not_of(' ')));
+  EXPECT_EQ(parser_knows, asked) << name << ": " << refusal;
+  // Each listed default, given explicitly, is accepted.
+  for (const auto& o : options) {
+    if (o.fallback.empty()) continue;
+    StrategyConfig given;
+    given.options = Registry::required_options(name);
+    given.options[o.key] = o.fallback;
+    EXPECT_NO_THROW(Registry::create(name, given)) << name << ": " << o.key << "=" << o.fallback;
+  }
 }
 
 TEST_P(Parity, leaves_the_model_usable_for_more_steps) {

@@ -12,6 +12,30 @@ std::vector<std::string> split(const std::string& text, char separator) {
   return out;
 }
 
+namespace {
+thread_local OptionReader::Recording* recording = nullptr;
+
+template <typename T>
+std::string joined(const std::vector<T>& items) {
+  std::ostringstream out;
+  for (size_t i = 0; i < items.size(); ++i) out << (i ? "," : "") << items[i];
+  return out.str();
+}
+}  // namespace
+
+OptionReader::Recording::Recording() : previous_(recording) { recording = this; }
+OptionReader::Recording::~Recording() { recording = previous_; }
+
+void OptionReader::record(const std::string& key, const std::string& fallback) const {
+  if (!recording) return;
+  for (const auto& a : recording->asked_)
+    if (a.key == key) return;  // asked twice (e.g. a list that may also be "auto"): the first default
+  // Under a recording the options given are the variant's own presets and the examples of required
+  // ones (Registry::options): what the strategy runs with when the user gives nothing.
+  const auto given = options_.find(key);
+  recording->asked_.push_back({key, given != options_.end() ? given->second : fallback});
+}
+
 const std::string* OptionReader::find(const std::string& key) {
   known_.insert(key);
   auto it = options_.find(key);
@@ -19,6 +43,7 @@ const std::string* OptionReader::find(const std::string& key) {
 }
 
 bool OptionReader::get_bool(const std::string& key, bool fallback) {
+  record(key, fallback ? "1" : "0");
   const auto* v = find(key);
   if (!v) return fallback;
   if (*v == "1" || *v == "true" || *v == "on") return true;
@@ -27,6 +52,7 @@ bool OptionReader::get_bool(const std::string& key, bool fallback) {
 }
 
 int64_t OptionReader::get_int(const std::string& key, int64_t fallback) {
+  record(key, std::to_string(fallback));
   const auto* v = find(key);
   if (!v) return fallback;
   size_t used = 0;
@@ -41,11 +67,13 @@ int64_t OptionReader::get_int(const std::string& key, int64_t fallback) {
 }
 
 std::string OptionReader::get_string(const std::string& key, const std::string& fallback) {
+  record(key, fallback);
   const auto* v = find(key);
   return v ? *v : fallback;
 }
 
 std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::vector<int64_t>& fallback) {
+  record(key, joined(fallback));
   const auto* v = find(key);
   if (!v) return fallback;
   std::vector<int64_t> out;
@@ -65,6 +93,7 @@ std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::v
 }
 
 std::vector<std::string> OptionReader::get_strings(const std::string& key, const std::vector<std::string>& fallback) {
+  record(key, joined(fallback));
   const auto* v = find(key);
   return v ? split(*v) : fallback;
 }

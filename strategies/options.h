@@ -13,8 +13,32 @@ namespace strata {
 /// "a,b,c" -> {"a", "b", "c"}; the one list splitter of strata (options, command lines).
 std::vector<std::string> split(const std::string& text, char separator = ',');
 
+/// One option a strategy's parser asked for: its key and the value it takes when the user gives
+/// none, as text.
+struct AskedOption {
+  std::string key;
+  std::string fallback;
+};
+
 class OptionReader {
  public:
+  /// While one is alive on this thread, every OptionReader on the thread records the options it is
+  /// asked for, each key once with its default (Registry::options builds a strategy under one, so
+  /// the list comes from the parsers themselves, not from a copy of them).
+  class Recording {
+   public:
+    Recording();
+    ~Recording();
+    Recording(const Recording&) = delete;  // restores the previous recording once
+    Recording& operator=(const Recording&) = delete;
+    const std::vector<AskedOption>& asked() const { return asked_; }
+
+   private:
+    friend class OptionReader;
+    std::vector<AskedOption> asked_;
+    Recording* previous_;
+  };
+
   OptionReader(std::string strategy, const std::map<std::string, std::string>& options)
       : strategy_(std::move(strategy)), options_(options) {}
 
@@ -30,6 +54,7 @@ class OptionReader {
 
  private:
   const std::string* find(const std::string& key);
+  void record(const std::string& key, const std::string& fallback) const;
   std::string strategy_;
   const std::map<std::string, std::string>& options_;
   std::set<std::string> known_;

@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "models/check.h"
+#include "strategies/options.h"
 #include "strategies/strategy.h"
 
 namespace strata {
@@ -15,6 +16,11 @@ struct Entry {
 // Function-local, so registrars in other translation units may run in any order.
 std::map<std::string, Entry>& entries() {
   static std::map<std::string, Entry> all;
+  return all;
+}
+// Documentation by strategy name; kept apart from entries(), as the two register in any order.
+std::map<std::string, std::vector<OptionDoc>>& docs() {
+  static std::map<std::string, std::vector<OptionDoc>> all;
   return all;
 }
 std::string known_names() {
@@ -64,6 +70,49 @@ std::map<std::string, std::string> Registry::required_options(const std::string&
   STRATA_CHECK(found != entries().end(),
                "unknown strategy '" << name << "'; registered strategies: " << known_names());
   return found->second.required;
+}
+
+void Registry::document(const std::vector<std::string>& names, std::vector<OptionDoc> options) {
+  for (const auto& name : names) {
+    auto& list = docs()[name];
+    for (const auto& d : options) {
+      for (const auto& known : list)
+        STRATA_CHECK(known.key != d.key, "option '" << d.key << "' of strategy '" << name << "' is documented twice");
+      list.push_back(d);
+    }
+  }
+}
+
+std::vector<OptionDoc> Registry::documented(const std::string& name) {
+  required_options(name);  // an unknown name is an Error here
+  const auto found = docs().find(name);
+  return found == docs().end() ? std::vector<OptionDoc>{} : found->second;
+}
+
+std::vector<OptionInfo> Registry::options(const std::string& name) {
+  const auto required = required_options(name);  // an unknown name is an Error here
+  StrategyConfig config;
+  for (const auto& [key, example] : required) config.options[key] = example;
+  std::vector<AskedOption> asked;
+  {
+    OptionReader::Recording recording;
+    entries().at(name).factory(config);
+    asked = recording.asked();
+  }
+  const auto documented = docs().find(name);
+  std::vector<OptionInfo> out;
+  for (const auto& a : asked) {
+    OptionInfo info;
+    info.key = a.key;
+    info.fallback = a.fallback;
+    info.required = required.count(a.key) > 0;
+    info.doc.key = a.key;
+    if (documented != docs().end())
+      for (const auto& d : documented->second)
+        if (d.key == a.key) info.doc = d;
+    out.push_back(info);
+  }
+  return out;
 }
 
 }  // namespace strata

@@ -103,6 +103,22 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 
+/// What one option of a strategy means (for `--list` and the README's table of options).
+struct OptionDoc {
+  std::string key;
+  std::string values;       ///< what it accepts, e.g. "0..", "recompute, keep"
+  std::string text;         ///< what it does
+  bool for_tests = false;   ///< plants or exposes a bug on purpose, or exists for a test's comparison
+};
+
+/// An option as a strategy's own parser asks for it, with its documentation.
+struct OptionInfo {
+  std::string key;
+  std::string fallback;   ///< the value the strategy takes when none is given ("" for none)
+  bool required = false;  ///< the strategy cannot run without it (fallback is then an example)
+  OptionDoc doc;          ///< empty text when the option has no documentation
+};
+
 /// Strategies by name. Each strategy registers itself with one STRATA_REGISTER_STRATEGY line.
 class Registry {
  public:
@@ -121,12 +137,28 @@ class Registry {
   static std::string description(const std::string& name);
   /// The options `name` needs, with example values; empty for a strategy that runs without options.
   static std::map<std::string, std::string> required_options(const std::string& name);
+  /// Documents options of the strategies `names` (variants of one parser share its documentation).
+  static void document(const std::vector<std::string>& names, std::vector<OptionDoc> docs);
+  /// Every option `name` accepts, in its parser's order, with the default it runs with and its
+  /// documentation. The list is what the parser asks for while the strategy is built (on the CPU,
+  /// not attached) under an OptionReader::Recording, so it cannot drift from the code.
+  static std::vector<OptionInfo> options(const std::string& name);
+  /// The documentation registered for `name`'s options (a test compares it with options()).
+  static std::vector<OptionDoc> documented(const std::string& name);
 };
 
 struct Registrar {
   Registrar(const std::string& name, const std::string& description, StrategyFactory factory,
             std::map<std::string, std::string> required = {}) {
     Registry::add(name, description, std::move(factory), std::move(required));
+  }
+};
+
+/// Documents options at static initialisation, beside a STRATA_REGISTER_STRATEGY line:
+/// `static const OptionDocumenter docs({"name", "name_variant"}, {{"key", "values", "what it does"}, ...});`
+struct OptionDocumenter {
+  OptionDocumenter(const std::vector<std::string>& names, std::vector<OptionDoc> docs) {
+    Registry::document(names, std::move(docs));
   }
 };
 

@@ -96,6 +96,10 @@ void Baseline::reset_stats() {
   device::reset_peak_stats(config_.device);
 }
 
+static const OptionDocumenter baseline_docs(
+    {"baseline", "baseline_checkpoint"},
+    {{"checkpoint", "0/1", "recompute every block but the last (the head) in backward"}});
+
 STRATA_REGISTER_STRATEGY("baseline", "whole model on one device, plain autograd (the ground truth)",
                          [](const StrategyConfig& c) {
                            return std::make_unique<Baseline>("baseline", c, BaselineOptions::parse(c.options));
@@ -103,9 +107,14 @@ STRATA_REGISTER_STRATEGY("baseline", "whole model on one device, plain autograd 
 
 STRATA_REGISTER_STRATEGY("baseline_checkpoint", "baseline with every block but the last (the head) recomputed in backward",
                          [](const StrategyConfig& c) {
-                           auto options = BaselineOptions::parse(c.options);
-                           options.checkpoint = true;
-                           return std::make_unique<Baseline>("baseline_checkpoint", c, options);
+                           auto options = c.options;
+                           const auto given = options.find("checkpoint");
+                           STRATA_CHECK(given == options.end() || given->second == "1" || given->second == "true" ||
+                                            given->second == "on",
+                                        "baseline_checkpoint: option checkpoint='"
+                                            << given->second << "' contradicts the strategy; use baseline");
+                           options["checkpoint"] = "1";
+                           return std::make_unique<Baseline>("baseline_checkpoint", c, BaselineOptions::parse(options));
                          });
 
 }  // namespace strata

@@ -548,6 +548,17 @@ void ManualSplit::reset_stats() {
   for (const auto& d : devices_) device::reset_peak_stats(d);
 }
 
+static const OptionDocumenter manual_split_docs(
+    {"manual_split"},
+    {{"balance", "blocks per stage, or auto", "how blocks are cut into stages (auto: by `weigh`)"},
+     {"devices", "device list", "one device per stage (none given: the config's devices)"},
+     {"stages", "0..", "stages on the main device when no devices are given (0: 2, or 1 for one block)"},
+     {"weigh", "params, memory", "what automatic balance weighs"},
+     {"activation_batch", "1..", "with weigh=memory: the batch the activation estimate is for"},
+     {"classifier_shards", "1..", "the linear head split by columns into this many shards"},
+     {"sync_replicas", "0/1", "0 skips the tied replicas' gradient sum and re-sync (the drift a test must see)",
+      true}});
+
 STRATA_REGISTER_STRATEGY("manual_split",
                          "blocks split over stage devices (balance by bytes), tied weights as home + replica",
                          [](const StrategyConfig& c) {

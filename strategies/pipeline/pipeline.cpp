@@ -979,6 +979,20 @@ std::unique_ptr<Strategy> make(const std::string& name, const std::string& sched
 }
 }  // namespace
 
+static const OptionDocumenter pipeline_docs(
+    {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_custom", "pipeline_zero_bubble"},
+    {{"schedule", "gpipe, 1f1b, interleaved, zb-h1, custom", "set by the strategy's name; another value is an Error"},
+     {"schedule_text", "ranks' actions split by '/'", "a hand-written schedule in schedule.h's text form"},
+     {"schedule_file", "a path", "the same, read from a file"},
+     {"devices", "device list", "one device per rank (none given: the config's devices)"},
+     {"ranks", "0..", "ranks on the main device when no devices are given (0: 2, or fewer blocks)"},
+     {"virtual_stages", "0..", "stages per rank (0: 2 for interleaved, else 1)"},
+     {"micro_batches", "0..", "micro-batches per train_step (0: 2 per rank)"},
+     {"balance", "blocks per stage, or auto", "how blocks are cut into stages (auto: by parameter bytes)"},
+     {"replicate_tied", "0/1", "replicas of shared parameters even where the devices agree (tests the swap)", true},
+     {"debug_skip_waits", "0/1", "compute does not wait for its transfers (a deliberate bug)", true},
+     {"time_actions", "0/1", "time every action, for the simulator's comparison"}});
+
 STRATA_REGISTER_STRATEGY("pipeline_gpipe", "pipeline parallel, GPipe: every micro-batch's forward, then every backward",
                          [](const StrategyConfig& c) { return make("pipeline_gpipe", "gpipe", c); });
 STRATA_REGISTER_STRATEGY("pipeline_1f1b", "pipeline parallel, 1F1B: one forward, one backward once the pipe is full",
