@@ -1,13 +1,15 @@
 // A trainer of its own, using strata as a library: its own blocks and training loop, a strategy
-// picked by name from the registry, a strategy it registers itself, and the parity checker on both.
+// picked by name from the registry, a strategy it registers itself, the parity checker on both, and
+// the parity property over generated models for its own strategy (rapidcheck; RC_PARAMS applies).
 //
-//   trainer [STRATEGY=hook_offload] [STEPS=30]     exit 0 when training and both parity checks pass
+//   trainer [STRATEGY=hook_offload] [STEPS=30]     exit 0 when training and every parity check pass
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
 
+#include "correctness/support/generators.h"
 #include "correctness/support/parity.h"
 #include "strategies/strategy.h"
 
@@ -129,7 +131,16 @@ int main(int argc, char** argv) try {
     std::cout << "parity of " << checked << " on " << c.to_string() << ": " << (result.ok ? "ok" : result.message) << "\n";
     if (!result.ok) return 1;
   }
-  return 0;
+
+  // The property strata's suite runs for each of its strategies, here for the trainer's own: parity
+  // on generated models (preset kinds and chains of library blocks, tied weights, buffers, frozen
+  // parameters), shrunk to a smallest failing case when it fails.
+  const bool held = rc::check("counting matches the baseline on generated models", [] {
+    const auto generated = *strata::correctness::gen_parity_case("counting", {"cpu"});
+    const auto result = strata::correctness::check_parity("counting", generated, torch::Device(torch::kCPU));
+    RC_ASSERT(result.ok);
+  });
+  return held ? 0 : 1;
 } catch (const std::exception& e) {
   return fail(e.what());
 }
