@@ -53,7 +53,7 @@ constexpr const char* kUsage =
     "                      [--options='k=v;strategy:k=v'] [--profile=DIR] | --list[=markdown] | --help\n"
     "Checks each strategy's parity with the baseline, then times training steps of the model and prints\n"
     "one table: step, forward+backward and optimizer time, peak memory per device, bytes moved.\n"
-    "  --model       a preset (--list shows them; default gpt-tiny on the CPU, gpt-871m on a GPU)\n"
+    "  --model       a preset (--list shows them; default gpt-cpu on the CPU, gpt-medium on a GPU)\n"
     "  --strategies  registered strategies, comma-separated (default: every one that needs no options)\n"
     "  --options     options for every strategy, or strategy:key=value for one, ';'-separated\n"
     "  --inference   forward only; --no-tf32: full fp32 matrix products on the GPU\n"
@@ -104,7 +104,7 @@ Args parse_args(int argc, char** argv) {
 int run(int argc, char** argv) {
   auto args = parse_args(argc, argv);
   const auto dev = device::parse(args.device);
-  if (args.model.empty()) args.model = dev.is_cuda() ? "gpt-medium" : "gpt-tiny";
+  if (args.model.empty()) args.model = dev.is_cuda() ? "gpt-medium" : "gpt-cpu";
   auto preset = models::preset(args.model);
   if (args.classes > 0) {
     preset.config.classes = args.classes;
@@ -125,12 +125,24 @@ int run(int argc, char** argv) {
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
               args.inference ? "forward passes" : "steps", config.optimizer.to_string().c_str(), dev.str().c_str(),
               args.tf32 ? "on" : "off");
+  // The CPU allocator keeps no statistics: there the memory columns are the strategy's own account
+  // of parameter bytes on the device (peak, and resident after the steps), in units that fit them.
+  const bool accounted = !dev.is_cuda();
+  const double mem_unit = accounted ? 1024.0 * 1024.0 : 1024.0 * 1024.0 * 1024.0;
+  const double byte_unit = accounted ? 1e6 : 1e9;
+  const char* peak_head = accounted ? "param MiB" : "peak GiB";
+  const char* second_head = accounted ? "held MiB" : "resv GiB";
+  const char* moved_unit = accounted ? "MB" : "GB";
+  if (accounted)
+    std::printf("memory: parameter bytes the strategy holds on the device, by its own account (peak, and held\n"
+                "after the last step); the CPU allocator keeps no statistics\n");
   if (args.inference)
-    std::printf("%-22s %-6s %10s %12s %10s %10s %10s\n", "strategy", "parity", "fwd ms", "items/s", "peak GiB",
-                "H2D GB", "H2D GB/s");
+    std::printf("%-22s %-6s %10s %12s %10s %10s %10s\n", "strategy", "parity", "fwd ms", "items/s", peak_head,
+                (std::string("H2D ") + moved_unit).c_str(), "H2D GB/s");
   else
     std::printf("%-22s %-6s %10s %10s %10s %12s %10s %10s %9s %9s\n", "strategy", "parity", "fwd+bwd ms", "optim ms",
-                "step ms", "items/s", "peak GiB", "resv GiB", "H2D GB", "D2H GB");
+                "step ms", "items/s", peak_head, second_head, (std::string("H2D ") + moved_unit).c_str(),
+                (std::string("D2H ") + moved_unit).c_str());
   std::fflush(stdout);
 
   auto median = [](std::vector<double> v) {
@@ -144,8 +156,14 @@ int run(int argc, char** argv) {
   // Strategies over several devices also get one line of peaks per device under their row.
   auto print_per_device = [&](const Stats& s) {
     if (s.devices.size() < 2) return;
-    std::printf("%-22s per device, peak allocated / reserved GiB:", "");
-    for (const auto& [d, m] : s.devices) std::printf("  %s %.2f / %.2f", d.c_str(), m.peak_allocated / gib, m.peak_reserved / gib);
+    if (accounted) {
+      std::printf("%-22s per device, peak / held parameter MiB:", "");
+      for (const auto& [d, m] : s.devices)
+        std::printf("  %s %.2f / %.2f", d.c_str(), m.peak_param_bytes / mem_unit, m.resident_param_bytes / mem_unit);
+    } else {
+      std::printf("%-22s per device, peak allocated / reserved GiB:", "");
+      for (const auto& [d, m] : s.devices) std::printf("  %s %.2f / %.2f", d.c_str(), m.peak_allocated / gib, m.peak_reserved / gib);
+    }
     std::printf("\n");
   };
 
@@ -187,10 +205,11 @@ int run(int argc, char** argv) {
         }
         const double t = median(times);
         const auto s = strategy->stats();
-        const int64_t peak = bench::peaks_of(s).allocated;
+        const auto peaks = bench::peaks_of(s);
+        const int64_t peak = accounted ? peaks.params : peaks.allocated;
         const double h2d = static_cast<double>(s.bytes_h2d) / args.steps;
         std::printf("%-22s %-6s %10.2f %12.0f %10.2f %10.3f %10.1f\n", label.c_str(), "ok", t,
-                    static_cast<double>(items) / (t / 1e3), peak / gib, h2d / gb, h2d / gb / (t / 1e3));
+                    static_cast<double>(items) / (t / 1e3), peak / mem_unit, h2d / byte_unit, h2d / gb / (t / 1e3));
         print_per_device(s);
       } else {
         bench::warm_up(*strategy, batch);
@@ -210,9 +229,14 @@ int run(int argc, char** argv) {
         const auto s = strategy->stats();
         const auto peaks = bench::peaks_of(s);
         const double t = median(step);
+        int64_t held = 0;
+        for (const auto& [d, m] : s.devices) held += m.resident_param_bytes;
+        const double first = static_cast<double>(accounted ? peaks.params : peaks.allocated) / mem_unit;
+        const double second = static_cast<double>(accounted ? held : peaks.reserved) / mem_unit;
         std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", label.c_str(), "ok",
-                    median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), peaks.allocated / gib, peaks.reserved / gib,
-                    static_cast<double>(s.bytes_h2d) / args.steps / gb, static_cast<double>(s.bytes_d2h) / args.steps / gb);
+                    median(fb), median(opt), t, static_cast<double>(items) / (t / 1e3), first, second,
+                    static_cast<double>(s.bytes_h2d) / args.steps / byte_unit,
+                    static_cast<double>(s.bytes_d2h) / args.steps / byte_unit);
         print_per_device(s);
         if (!args.profile_dir.empty()) {
           std::filesystem::create_directories(args.profile_dir);

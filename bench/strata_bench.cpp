@@ -379,7 +379,7 @@ constexpr const char* kUsage =
     "                    [--classes=N] [--optimizer=sgd|adamw] [--options='k=v;strategy:k=v'] [--peak-tflops=X]\n"
     "                    [Google Benchmark's --benchmark_* flags] | --list | --list-strategies | --help\n"
     "The benchmark matrix: every strategy x model preset a cell, each parity-checked before it is timed.\n"
-    "  --models        presets (--list shows them; default mlp-tiny,gpt-tiny,bert-tiny on the CPU,\n"
+    "  --models        presets (--list shows them; default gpt-cpu,bert-tiny on the CPU,\n"
     "                  gpt-medium,gpt-871m on a GPU)\n"
     "  --strategies    registered strategies (default: every one that needs no options;\n"
     "                  --list-strategies prints that list, one per line)\n"
@@ -433,7 +433,7 @@ int run(int argc, char** argv) {
     s.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(distributed::environment().local_rank));
   if (s.models.empty())
     s.models = s.device.is_cuda() ? std::vector<std::string>{"gpt-medium", "gpt-871m"}
-                                  : std::vector<std::string>{"mlp-tiny", "gpt-tiny", "bert-tiny"};
+                                  : std::vector<std::string>{"gpt-cpu", "bert-tiny"};
   if (s.strategies.empty()) s.strategies = Registry::default_names();
   for (const auto& m : s.models) models::preset(m);           // unknown names fail before any work
   for (const auto& st : s.strategies) Registry::description(st);

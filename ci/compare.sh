@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's main command: installs dependencies, builds, runs the benchmark matrix of every
-# registered strategy on the default models (tiny ones on the CPU; gpt-medium and gpt-871m on a
+# registered strategy on the default models (gpt-cpu and bert-tiny on the CPU; gpt-medium and gpt-871m on a
 # GPU), and writes a Markdown report with plots to build/report/ (or OUTDIR).
 #
 #   ci/compare.sh [OUTDIR] [strata_bench arguments, e.g. --models=gpt-small --steps=10]

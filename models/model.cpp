@@ -344,7 +344,8 @@ const std::vector<Preset>& presets() {
     return std::vector<Preset>{
         {"mlp-tiny", mlp(2, 16, 8, 8, false), 4, "CPU tests"},
         {"mlp-tied-tiny", mlp(2, 16, 8, 8, true), 4, "CPU tests; output layer tied to the input layer"},
-        {"gpt-tiny", gpt(2, 32, 4, 64, 8), 4, "CPU tests and the CPU comparison job"},
+        {"gpt-tiny", gpt(2, 32, 4, 64, 8), 4, "CPU tests"},
+        {"gpt-cpu", gpt(4, 128, 4, 1024, 64), 8, "the CPU comparison job: 0.5-1 s a step on two CPU cores; the default matrix in about a minute"},
         {"bert-tiny", bert(2, 32, 4, 64, 8, 100), 4, "CPU tests"},
         {"mlp-wide", mlp(8, 4096, 1024, 1024, false), 256, "GPU: 126M parameters, matmul-bound"},
         {"gpt-small", gpt(4, 256, 4, 4096, 128), 8, "a few seconds a step on two CPU cores"},
