@@ -182,7 +182,7 @@ inline constexpr const char* kExitStatuses =
 
 /// --list: the registered strategies with their descriptions and the options they need, then the
 /// model presets with their sizes (counted from the config: nothing is built).
-/// A strategy option's default as `--list` shows it.
+/// A strategy option's default as `--list` shows it (an example when the option is required).
 inline std::string shown_default(const OptionInfo& o) {
   if (o.required) return "required, e.g. " + o.fallback;
   return o.fallback.empty() ? "(none)" : o.fallback;
@@ -262,7 +262,12 @@ inline void print_options_markdown() {
       std::string others;
       for (size_t n = 0; n < g.names.size(); ++n)
         if (cell(g.options[n][k]) != common) others += (others.empty() ? "" : ", ") + g.names[n] + ": " + cell(g.options[n][k]);
-      const std::string shown = common + (others.empty() ? "" : " (" + others + ")");
+      std::string shown = common + (others.empty() ? "" : " (" + others + ")");
+      if (g.names.size() > 1 && count[common] == 1) {  // no two alike: each its own
+        shown.clear();
+        for (size_t n = 0; n < g.names.size(); ++n)
+          shown += (shown.empty() ? "" : ", ") + g.names[n] + ": " + cell(g.options[n][k]);
+      }
       std::printf("| %s | %s | %s | %s | %s |\n", shown_names ? "" : names.c_str(), code(first[k].key).c_str(),
                   first[k].doc.values.c_str(), shown.c_str(), first[k].doc.text.c_str());
       shown_names = true;

@@ -230,7 +230,7 @@ int run(int argc, char** argv) {
         const auto peaks = bench::peaks_of(s);
         const double t = median(step);
         int64_t held = 0;
-        for (const auto& [d, m] : s.devices) held += m.resident_param_bytes;
+        for (const auto& [d, m] : s.devices) held = std::max(held, m.resident_param_bytes);  // as peaks: the fullest device
         const double first = static_cast<double>(accounted ? peaks.params : peaks.allocated) / mem_unit;
         const double second = static_cast<double>(accounted ? held : peaks.reserved) / mem_unit;
         std::printf("%-22s %-6s %10.2f %10.2f %10.2f %12.0f %10.2f %10.2f %9.3f %9.3f\n", label.c_str(), "ok",

@@ -61,8 +61,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
   /// True while gradients are still on their way to the host: a copy queued, or a tied weight's
-  /// second gradient not yet added there. False after finish_backward(), so a timer that stops
-  /// after it has counted the whole of backward.
+  /// second gradient not yet added there. False after finish_backward() (so a timer that stops
+  /// after it has counted the whole of backward), except with overlap_optimizer, where those sums
+  /// run on the optimizer's host queue, each ahead of its unit's update, and may still be pending.
   bool gradients_in_flight() const;
 
   // WindowedRunner: called by the per-block autograd function.

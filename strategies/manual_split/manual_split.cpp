@@ -552,7 +552,7 @@ static const OptionDocumenter manual_split_docs(
     {"manual_split"},
     {{"balance", "blocks per stage, or auto", "how blocks are cut into stages (auto: by `weigh`)"},
      {"devices", "device list", "one device per stage (none given: the config's devices)"},
-     {"stages", "0..", "stages on the main device when no devices are given (0: 2, or 1 for one block)"},
+     {"stages", "0..", "stages on the main device when no devices are given (0: 2, 1 for one block, or balance's count)"},
      {"weigh", "params, memory", "what automatic balance weighs"},
      {"activation_batch", "1..", "with weigh=memory: the batch the activation estimate is for"},
      {"classifier_shards", "1..", "the linear head split by columns into this many shards"},

@@ -986,7 +986,7 @@ static const OptionDocumenter pipeline_docs(
      {"schedule_file", "a path", "the same, read from a file"},
      {"devices", "device list", "one device per rank (none given: the config's devices)"},
      {"ranks", "0..", "ranks on the main device when no devices are given (0: 2, or fewer blocks)"},
-     {"virtual_stages", "0..", "stages per rank (0: 2 for interleaved, else 1)"},
+     {"virtual_stages", "0..", "stages per rank (0: interleaved takes 2 where the blocks allow, else 1)"},
      {"micro_batches", "0..", "micro-batches per train_step (0: 2 per rank)"},
      {"balance", "blocks per stage, or auto", "how blocks are cut into stages (auto: by parameter bytes)"},
      {"replicate_tied", "0/1", "replicas of shared parameters even where the devices agree (tests the swap)", true},

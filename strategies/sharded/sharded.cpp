@@ -513,7 +513,7 @@ static const OptionDocumenter sharded_docs(
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"reshard_after_forward", "0/1", "free gathered units after forward, gather them again in backward"},
      {"offload", "0/1", "shards, gradients and optimizer state in pinned host memory"},
-     {"overlap_optimizer", "0/1", "with offload: each unit updated on the host during backward"},
+     {"overlap_optimizer", "0/1 (default: as offload)", "with offload: each unit updated on the host during backward"},
      {"debug_poison", "0/1", "every gathered buffer filled with NaN before its collective", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its collectives (a deliberate bug)", true},
      {"debug_fail_rank", "a rank, or -1", "this rank throws in its forward (the fault tests)", true}});
