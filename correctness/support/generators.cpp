@@ -166,10 +166,20 @@ rc::Gen<Options> sharded_options(const ModelShape&, const std::vector<std::strin
 // micro-batches (more than the ranks, as many, or fewer), for interleaved 1 to 3 stages per rank
 // and micro-batches a multiple of the ranks; balance automatic or drawn; replicas of shared
 // parameters forced on one device in some cases, so the swap runs where the CPU can test it.
+// A pipeline's rank count: 1..3 in one process (as many as the model has blocks). In a launched job
+// the processes are the ranks, so exactly the world size, where the model has that many blocks (a
+// test over the ranks drops the cases where it has not).
+std::pair<int64_t, int64_t> pipeline_rank_range(int64_t blocks) {
+  const int64_t world = distributed::environment().world_size;
+  if (world > 1) return {std::min(world, blocks), std::min(world, blocks)};
+  return {1, std::min<int64_t>(3, blocks)};
+}
+
 OptionsGenerator pipeline_options(bool interleaved) {
   return [interleaved](const ModelShape& shape, const std::vector<std::string>& devices) {
     const int64_t blocks = shape.blocks;
-    return rc::gen::mapcat(uniform<int64_t>(1, std::min<int64_t>(3, blocks) + 1), [=](int64_t ranks) {
+    const auto [fewest, most] = pipeline_rank_range(blocks);
+    return rc::gen::mapcat(uniform<int64_t>(fewest, most + 1), [=](int64_t ranks) {
       const int64_t max_v = interleaved ? std::max<int64_t>(1, std::min<int64_t>(3, blocks / ranks)) : 1;
       return rc::gen::mapcat(uniform<int64_t>(1, max_v + 1), [=](int64_t v) {
         return rc::gen::apply(
@@ -246,7 +256,8 @@ std::string random_schedule_text(int p, int v, int m, const std::vector<bool>& s
 // micro-batches; balance automatic.
 rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vector<std::string>& devices) {
   const int64_t blocks = shape.blocks;
-  return rc::gen::mapcat(uniform<int>(1, static_cast<int>(std::min<int64_t>(3, blocks)) + 1), [=](int ranks) {
+  const auto [fewest, most] = pipeline_rank_range(blocks);
+  return rc::gen::mapcat(uniform<int>(static_cast<int>(fewest), static_cast<int>(most) + 1), [=](int ranks) {
     const int max_v = static_cast<int>(std::clamp<int64_t>(blocks / ranks, 1, 2));
     return rc::gen::apply(
         [=](int v, int m, std::vector<bool> split, std::vector<int> picks, bool replicate) {
