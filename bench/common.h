@@ -180,15 +180,14 @@ inline constexpr const char* kExitStatuses =
     "exit status: 0 every cell ran (a cell out of memory is a result and counts as run); 1 a cell failed\n"
     "parity or errored; 2 a bad argument (named on stderr)\n";
 
-/// --list: the registered strategies with their descriptions and the options they need, then the
-/// model presets with their sizes (counted from the config: nothing is built).
 /// A strategy option's default as `--list` shows it (an example when the option is required).
 inline std::string shown_default(const OptionInfo& o) {
   if (o.required) return "required, e.g. " + o.fallback;
   return o.fallback.empty() ? "(none)" : o.fallback;
 }
 
-/// The registered strategies with their options, and the model presets (`--list`).
+/// The registered strategies with their options, then the model presets with their sizes (counted
+/// from the config: nothing is built), for `--list`.
 inline void print_list() {
   std::printf("strategies, each with its options (key=default: values; what it does)\n");
   for (const auto& name : Registry::names()) {
@@ -252,22 +251,22 @@ inline void print_options_markdown() {
         tests += (tests.empty() ? "" : ", ") + code(first[k].key);
         continue;
       }
-      // The most common default, then the strategies that differ from it.
-      auto cell = [&](const OptionInfo& o) { return o.fallback.empty() && !o.required ? "none" : code(shown_default(o)); };
+      // The most common default, then the strategies that differ from it; where no two agree,
+      // each strategy's own.
+      std::vector<std::string> cells;
       std::map<std::string, int> count;
-      for (const auto& o : g.options) ++count[cell(o[k])];
-      std::string common = cell(first[k]);
-      for (const auto& o : g.options)
-        if (count[cell(o[k])] > count[common]) common = cell(o[k]);
-      std::string others;
-      for (size_t n = 0; n < g.names.size(); ++n)
-        if (cell(g.options[n][k]) != common) others += (others.empty() ? "" : ", ") + g.names[n] + ": " + cell(g.options[n][k]);
-      std::string shown = common + (others.empty() ? "" : " (" + others + ")");
-      if (g.names.size() > 1 && count[common] == 1) {  // no two alike: each its own
-        shown.clear();
-        for (size_t n = 0; n < g.names.size(); ++n)
-          shown += (shown.empty() ? "" : ", ") + g.names[n] + ": " + cell(g.options[n][k]);
+      for (const auto& o : g.options) {
+        cells.push_back(o[k].fallback.empty() && !o[k].required ? "none" : code(shown_default(o[k])));
+        ++count[cells.back()];
       }
+      std::string common = cells.front();
+      for (const auto& c : cells)
+        if (count[c] > count[common]) common = c;
+      const bool each_its_own = cells.size() > 1 && count[common] == 1;
+      std::string others;
+      for (size_t n = 0; n < cells.size(); ++n)
+        if (each_its_own || cells[n] != common) others += (others.empty() ? "" : ", ") + g.names[n] + ": " + cells[n];
+      const std::string shown = each_its_own ? others : common + (others.empty() ? "" : " (" + others + ")");
       std::printf("| %s | %s | %s | %s | %s |\n", shown_names ? "" : names.c_str(), code(first[k].key).c_str(),
                   first[k].doc.values.c_str(), shown.c_str(), first[k].doc.text.c_str());
       shown_names = true;

@@ -128,8 +128,9 @@ int run(int argc, char** argv) {
   // The CPU allocator keeps no statistics: there the memory columns are the strategy's own account
   // of parameter bytes on the device (peak, and resident after the steps), in units that fit them.
   const bool accounted = !dev.is_cuda();
-  const double mem_unit = accounted ? 1024.0 * 1024.0 : 1024.0 * 1024.0 * 1024.0;
-  const double byte_unit = accounted ? 1e6 : 1e9;
+  const double gb = 1e9, gib = 1024.0 * 1024.0 * 1024.0;
+  const double mem_unit = accounted ? gib / 1024.0 : gib;
+  const double byte_unit = accounted ? gb / 1000.0 : gb;
   const char* peak_head = accounted ? "param MiB" : "peak GiB";
   const char* second_head = accounted ? "held MiB" : "resv GiB";
   const char* moved_unit = accounted ? "MB" : "GB";
@@ -151,7 +152,6 @@ int run(int argc, char** argv) {
   };
   auto now = [] { return std::chrono::steady_clock::now(); };
   auto ms_since = [&](auto start) { return std::chrono::duration<double, std::milli>(now() - start).count(); };
-  const double gb = 1e9, gib = 1024.0 * 1024.0 * 1024.0;
 
   // Strategies over several devices also get one line of peaks per device under their row.
   auto print_per_device = [&](const Stats& s) {

@@ -108,13 +108,12 @@ STRATA_REGISTER_STRATEGY("baseline", "whole model on one device, plain autograd 
 STRATA_REGISTER_STRATEGY("baseline_checkpoint", "baseline with every block but the last (the head) recomputed in backward",
                          [](const StrategyConfig& c) {
                            auto options = c.options;
-                           const auto given = options.find("checkpoint");
-                           STRATA_CHECK(given == options.end() || given->second == "1" || given->second == "true" ||
-                                            given->second == "on",
-                                        "baseline_checkpoint: option checkpoint='"
-                                            << given->second << "' contradicts the strategy; use baseline");
-                           options["checkpoint"] = "1";
-                           return std::make_unique<Baseline>("baseline_checkpoint", c, BaselineOptions::parse(options));
+                           options.emplace("checkpoint", "1");  // the variant's own; given, it must agree
+                           const auto parsed = BaselineOptions::parse(options);
+                           STRATA_CHECK(parsed.checkpoint, "baseline_checkpoint: option checkpoint='"
+                                                               << options.at("checkpoint")
+                                                               << "' contradicts the strategy; use baseline");
+                           return std::make_unique<Baseline>("baseline_checkpoint", c, parsed);
                          });
 
 }  // namespace strata
