@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
 
 #include "correctness/support/test_device.h"
+#include "models/check.h"
 #include "strategies/device/device.h"
 
 namespace strata {
@@ -43,6 +45,24 @@ TEST(Device, injected_copy_delay_is_applied_and_restored) {
   }
   EXPECT_EQ(device::injected_delays().copy, 0ms);
   EXPECT_EQ(dst.sum().item<float>(), 16.0f);
+}
+
+TEST(Device, a_held_side_stream_runs_nothing_until_its_gate_opens) {
+  const auto dev = test::device();
+  auto side = device::Stream::side(dev);
+  auto src = device::host_buffer({16}, torch::kFloat, dev).fill_(2.0f);
+  auto dst = torch::zeros({16}, torch::TensorOptions().device(dev));
+  auto gate = std::make_shared<device::Gate>();
+  side.hold(gate);
+  side.copy(dst, src);
+  auto done = side.record();
+  std::this_thread::sleep_for(200ms);  // ample for a 64-byte copy that was not held
+  EXPECT_FALSE(done.done()) << "a copy behind a closed gate ran";
+  gate->open();
+  done.synchronize();
+  EXPECT_EQ(dst.sum().item<float>(), 32.0f);
+  EXPECT_TRUE(gate->wait_for(0ms));
+  EXPECT_THROW(device::Stream::compute(torch::kCPU).hold(std::make_shared<device::Gate>()), strata::Error);
 }
 
 TEST(Device, host_buffers_are_pinned_for_cuda) {

@@ -2,6 +2,9 @@
 // moved against the analytic count; peak device memory under an analytic bound; the seed's
 // double-load scenario; asynchrony under injected delays, including a deliberately missing wait
 // that these tests must catch.
+#include <atomic>
+#include <thread>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -255,10 +258,11 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 }
 
 // strata_bench stops backward's timer after finish_backward(): the gradient copies still running
-// when train_step returns belong to backward, not to the optimizer step that follows. Copies are
-// slowed (100 ms each, ample beside what backward does after its last copy, sanitizers included)
-// so that one is surely still running when train_step returns, else the check below would see
-// nothing. mlp-tiny is untied (copies only); the tied presets add a second gradient on the host.
+// when train_step returns belong to backward, not to the optimizer step that follows. The step's
+// copies to the host are held behind a gate until train_step has returned, so one is in flight then
+// for certain (a delay alone was outrun by a GPU shared with a dozen other processes); once the
+// gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. mlp-tiny
+// is untied (copies only); the tied presets add a second gradient on the host.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
@@ -268,8 +272,23 @@ TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
       s->attach(models::build_model(config, 0));
       const auto batch = models::make_batch(config, 2, 1);
       const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch);
+      auto gate = std::make_shared<device::Gate>();
+      s->hold_gradient_copies(gate);
+      // Should train_step itself wait for a held copy, the gate opens after a while and the test
+      // fails below instead of hanging.
+      std::atomic<bool> forced{false};
+      std::thread guard([&] {
+        if (!gate->wait_for(30s)) {
+          forced = true;
+          gate->open();
+        }
+      });
       s->train_step(batch);
-      EXPECT_TRUE(s->gradients_in_flight()) << where << ": no copy was running when train_step returned";
+      const bool in_flight = s->gradients_in_flight();
+      gate->open();
+      guard.join();
+      EXPECT_FALSE(forced) << where << ": train_step waited for its own gradient copies to the host";
+      EXPECT_TRUE(in_flight) << where << ": no copy was running when train_step returned";
       s->finish_backward();
       EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
       s->optimizer_step();

@@ -215,6 +215,9 @@ class CpuComputeStream : public StreamImpl {
   void delay(std::chrono::microseconds d) override {
     if (d.count() > 0) std::this_thread::sleep_for(d);
   }
+  void hold(std::shared_ptr<const Gate>) override {
+    STRATA_FAIL("a hold on the CPU's compute stream would block the caller; hold a side stream");
+  }
   std::shared_ptr<void> make_current() override { return nullptr; }
 
  private:
@@ -245,6 +248,9 @@ class CpuSideStream : public StreamImpl {
   void keep_alive(const torch::Tensor&) override {}
   void delay(std::chrono::microseconds d) override {
     if (d.count() > 0) queue_.submit([d] { std::this_thread::sleep_for(d); });
+  }
+  void hold(std::shared_ptr<const Gate> gate) override {
+    queue_.submit([gate] { gate->wait(); });
   }
   std::shared_ptr<void> make_current() override { return nullptr; }
 
@@ -283,6 +289,30 @@ void Stream::synchronize() { impl_->synchronize(); }
 void Stream::keep_alive(const torch::Tensor& t) { impl_->keep_alive(t); }
 void Stream::delay(std::chrono::microseconds d) { impl_->delay(d); }
 void Stream::compute_point() { impl_->delay(injected_delays().compute); }
+void Stream::hold(std::shared_ptr<const Gate> gate) {
+  STRATA_CHECK(gate, "Stream::hold needs a gate");
+  impl_->hold(std::move(gate));
+}
+
+void Gate::open() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = true;
+  }
+  cv_.notify_all();
+}
+bool Gate::is_open() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return open_;
+}
+void Gate::wait() const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return open_; });
+}
+bool Gate::wait_for(std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return cv_.wait_for(lock, timeout, [this] { return open_; });
+}
 
 Stream::Guard::Guard(const Stream& stream) : state_(stream.impl()->make_current()) {}
 Stream::Guard::~Guard() = default;

@@ -6,8 +6,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace strata::device {
@@ -65,6 +67,24 @@ class ScopedDelays {
 
 class StreamImpl;
 class EventImpl;
+
+/// A one-way switch that work queued on a side stream can be made to wait for (Stream::hold).
+/// Tests use it to keep a copy in flight for certain, however loaded the machine: a delay only
+/// makes it likely. Opening is final.
+class Gate {
+ public:
+  void open();
+  bool is_open() const;
+  /// Blocks until the gate is open.
+  void wait() const;
+  /// Blocks until the gate is open or `timeout` has passed; true if it is open.
+  bool wait_for(std::chrono::milliseconds timeout) const;
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable cv_;
+  bool open_ = false;
+};
 
 /// A worker thread that runs submitted host functions in order. The CPU's side streams are built
 /// on it, and strategies use it for host-side work that must not block the caller (accumulating
@@ -125,6 +145,10 @@ class Stream {
   void delay(std::chrono::microseconds d);
   /// Queues the injected compute delay, if any (call before compute that reads fetched data).
   void compute_point();
+  /// Makes everything queued on this side stream from now on wait until `gate` opens (a blocking
+  /// host function in the stream on CUDA, a task of the worker thread on the CPU). Refused on the
+  /// CPU's compute stream, which is the calling thread.
+  void hold(std::shared_ptr<const Gate> gate);
 
   /// Makes `stream` the current stream for tensor operations in this scope (no-op on CPU).
   class Guard {
@@ -179,6 +203,7 @@ class StreamImpl {
   virtual void synchronize() = 0;
   virtual void keep_alive(const torch::Tensor& t) = 0;
   virtual void delay(std::chrono::microseconds d) = 0;
+  virtual void hold(std::shared_ptr<const Gate> gate) = 0;
   virtual std::shared_ptr<void> make_current() = 0;
 };
 

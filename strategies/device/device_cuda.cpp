@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "strategies/device/device.h"
 
@@ -49,6 +50,19 @@ class CudaStream : public StreamImpl {
     if (d.count() <= 0) return;
     c10::cuda::CUDAStreamGuard guard(stream_);
     at::cuda::sleep(d.count() * kCyclesPerMicrosecond);
+  }
+  void hold(std::shared_ptr<const Gate> gate) override {
+    // The host function owns a reference to the gate until it has run.
+    auto* owned = new std::shared_ptr<const Gate>(std::move(gate));
+    const auto rc = cudaLaunchHostFunc(
+        stream_.stream(),
+        [](void* p) {
+          std::unique_ptr<std::shared_ptr<const Gate>> g(static_cast<std::shared_ptr<const Gate>*>(p));
+          (*g)->wait();
+        },
+        owned);
+    if (rc != cudaSuccess) delete owned;
+    C10_CUDA_CHECK(rc);
   }
   std::shared_ptr<void> make_current() override {
     return std::make_shared<c10::cuda::CUDAStreamGuard>(stream_);

@@ -314,6 +314,7 @@ double HookOffload::train_step(const models::Batch& batch) {
                name_ << ": overlap_optimizer=1 applies each step's gradients during backward, so every train_step "
                         "must be followed by optimizer_step (gradient accumulation needs overlap_optimizer=0)");
   finish_pending();
+  if (copy_hold_) d2h_.hold(std::move(copy_hold_));
   if (options_.overlap_optimizer) {
     for (auto& unit : units_) unit.pending_users = unit.users;
     step_in_flight_ = true;

@@ -65,6 +65,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// after it has counted the whole of backward), except with overlap_optimizer, where those sums
   /// run on the optimizer's host queue, each ahead of its unit's update, and may still be pending.
   bool gradients_in_flight() const;
+  /// Makes the next train_step's gradient copies to the host wait until `gate` opens (tests: a
+  /// copy that is surely still in flight when train_step returns, however loaded the machine).
+  void hold_gradient_copies(std::shared_ptr<const device::Gate> gate) { copy_hold_ = std::move(gate); }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -107,6 +110,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   device::Stream compute_, h2d_, d2h_;
   device::HostQueue host_;
   device::Event last_copy_;  ///< after the latest gradient copy to the host
+  std::shared_ptr<const device::Gate> copy_hold_;  ///< hold_gradient_copies, for the next step
   std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
