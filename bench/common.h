@@ -33,10 +33,12 @@ inline const models::ModelConfig& parity_model_for(const models::ModelConfig& co
 /// it in full fp32 whatever the TF32 setting of the timed run).
 inline correctness::ParityResult check_before_timing(const std::string& strategy, const models::ModelConfig& config,
                                                      const std::map<std::string, std::string>& options,
-                                                     const torch::Device& device) {
+                                                     const torch::Device& device,
+                                                     const PrecisionPolicy& precision = {}) {
   correctness::ParityCase small;
   small.model = parity_model_for(config);
   small.options = options;
+  small.precision = precision;
   // A pipeline's micro-batches need a sample each (a custom schedule's count is in its text).
   if (auto m = options.find("micro_batches"); m != options.end())
     small.batch_size = std::max<int64_t>(small.batch_size, std::stoll(m->second));
@@ -97,19 +99,22 @@ inline const char* prefix_of(Outcome o) {
 inline bool fails_the_run(Outcome o) { return o == Outcome::parity_failed || o == Outcome::error; }
 
 /// Dense matrix throughput of one GPU by its vendor's datasheet, in TFLOP/s, for the precision the
-/// timed runs use (TF32 tensor cores when `tf32`, else plain fp32); 0 where strata has no figure
-/// (then MFU is not reported). Figures without sparsity.
-inline double datasheet_tflops(const std::string& gpu, bool tf32) {
+/// timed runs use (bf16 or fp16 tensor cores for those compute dtypes; for fp32, TF32 tensor cores
+/// when `tf32`, else plain fp32); 0 where strata has no figure (then MFU is not reported). Figures
+/// without sparsity.
+inline double datasheet_tflops(const std::string& gpu, bool tf32, torch::ScalarType compute = torch::kFloat) {
   struct Sheet {
     const char* name;  ///< a substring of the driver's device name
-    double tf32, fp32;
+    double tf32, fp32, half;
   };
-  // NVIDIA H100 / H200 SXM datasheets: TF32 989 TFLOP/s with sparsity (494.7 dense), FP32 66.9.
-  // H100 PCIe: 378 / 51.2. A100: 156 / 19.5.
-  static const Sheet sheets[] = {
-      {"H200", 494.7, 66.9}, {"H100 PCIe", 378.0, 51.2}, {"H100", 494.7, 66.9}, {"A100", 156.0, 19.5}};
+  // NVIDIA H100 / H200 SXM datasheets: TF32 989 TFLOP/s with sparsity (494.7 dense), FP32 66.9,
+  // BF16/FP16 1979 with sparsity (989.4 dense). H100 PCIe: 378 / 51.2 / 756. A100: 156 / 19.5 / 312.
+  static const Sheet sheets[] = {{"H200", 494.7, 66.9, 989.4},
+                                 {"H100 PCIe", 378.0, 51.2, 756.0},
+                                 {"H100", 494.7, 66.9, 989.4},
+                                 {"A100", 156.0, 19.5, 312.0}};
   for (const auto& s : sheets)
-    if (gpu.find(s.name) != std::string::npos) return tf32 ? s.tf32 : s.fp32;
+    if (gpu.find(s.name) != std::string::npos) return compute != torch::kFloat ? s.half : tf32 ? s.tf32 : s.fp32;
   return 0.0;
 }
 

@@ -102,10 +102,16 @@ class GPT(nn.Module):
         return self.head(x)
 
 
+# --precision: "fp32", or "bf16" for PyTorch's own mixed precision (autocast to bf16 over fp32
+# parameters, the loss in fp32 as autocast takes cross-entropy), the peer of strata's bf16 policy.
+PRECISION = "fp32"
+
+
 def forward_backward(model, idx, target, backward_ctx=None, vocab=None, scale=1.0):
     """The peer's forward, mean cross-entropy and backward (inside backward_ctx when the peer needs
     one); returns the loss."""
-    out = model(idx)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
+        out = model(idx)
     loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
     if backward_ctx:
         with backward_ctx():
@@ -270,7 +276,8 @@ def full(t):
 
 def check_parity(kind, offload_py):
     """Loss and every gradient of the peer on gpt-tiny against one process running the plain model
-    on the same weights and batch, in full fp32. Returns (ok, largest relative difference).
+    on the same weights and batch, in full fp32 (under --precision=bf16 both under the same
+    autocast: the same bf16 operations). Returns (ok, largest relative difference).
     torch_baseline is that reference itself: nothing to check."""
     if kind == "torch_baseline":
         return None, None
@@ -299,10 +306,15 @@ def check_parity(kind, offload_py):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def peer_name(kind, model_name):
+    """The row's name; a precision other than fp32 shows as strata_bench shows it."""
+    return f"{kind}[precision={PRECISION}]/{model_name}" if PRECISION != "fp32" else f"{kind}/{model_name}"
+
+
 def run_peer(kind, c, steps, offload_py, model_name, profile_dir=None):
     dev = torch.device("cuda:0")
     idx, target = batch(c, dev)
-    name = f"{kind}/{model_name}"
+    name = peer_name(kind, model_name)
     torch.cuda.empty_cache()
     parity, worst = check_parity(kind, offload_py)
     if parity is False:
@@ -579,7 +591,7 @@ def run_distributed(args):
             print(f"peers.py: rank {rank}: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
     if rank == 0:
-        context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__, "ranks": world,
+        context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__, "precision": PRECISION, "ranks": world,
                    "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         with open(args.out, "w") as f:
             json.dump({"context": context, "benchmarks": results}, f, indent=1)
@@ -594,6 +606,9 @@ def main():
     ap.add_argument("--peers", default="torch_baseline,torch_checkpoint,fsdp2_cpu_offload,seed_offload")
     ap.add_argument("--offload-py", help="path to seed 003's offload.py (needed by the seed_offload peer)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: the one-process peers under torch.autocast(bfloat16) (torch_baseline and "
+                         "torch_checkpoint; the default peer list becomes those two)")
     ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
     ap.add_argument("--out", help="the JSON to write (required unless --self-test)")
     ap.add_argument("--self-test", action="store_true",
@@ -611,6 +626,14 @@ def main():
         if args.peers == ap.get_default("peers"):
             args.peers = "ddp,fsdp2,fsdp2_cpu_offload"
         return run_distributed(args)
+    global PRECISION
+    PRECISION = args.precision
+    if PRECISION != "fp32":
+        if args.peers == ap.get_default("peers"):
+            args.peers = "torch_baseline,torch_checkpoint"
+        other = [k for k in args.peers.split(",") if k not in ("torch_baseline", "torch_checkpoint")]
+        if other:
+            ap.error(f"--precision={PRECISION} runs torch_baseline and torch_checkpoint only, not {','.join(other)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     c = PRESETS[args.model]
@@ -630,7 +653,7 @@ def main():
             print(f"peers.py: {kind}: {r['real_time']:.1f} ms/step, peak {r['peak_allocated_bytes'] / 2**30:.2f} GiB"
                   f" ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         except Exception as e:  # an out-of-memory or a broken peer is a result; the others still run
-            results.append(failed(f"{kind}/{args.model}", f"{type(e).__name__}: {e}"))
+            results.append(failed(peer_name(kind, args.model), f"{type(e).__name__}: {e}"))
             print(f"peers.py: {kind} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
     context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__,

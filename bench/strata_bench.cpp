@@ -52,6 +52,7 @@ struct Settings {
   int steps = 5;
   double peak_tflops = 0;  ///< 0: measured once at start
   OptimizerKind optimizer = OptimizerKind::adamw;
+  PrecisionPolicy precision;                   ///< every cell's; a cell's name shows it unless fp32
   int64_t classes = 0;                         ///< overrides the presets' class count (bert, mlp)
   int64_t batch = 0;                           ///< overrides the presets' batch size
   std::map<std::string, std::string> options;  ///< as given: key=value or strategy:key=value
@@ -119,14 +120,14 @@ int64_t gpus_used(const std::map<std::string, std::string>& options) {
   return std::max<int64_t>(1, static_cast<int64_t>(std::set<std::string>(list.begin(), list.end()).size()));
 }
 
-// Dense fp32 matmul rate (TF32 where enabled) on the device, measured: the denominator of
-// matmul_fraction (MFU's is the datasheet's).
-double measure_peak_tflops(const torch::Device& device) {
+// Dense matmul rate in the compute dtype (fp32: TF32 where enabled) on the device, measured: the
+// denominator of matmul_fraction (MFU's is the datasheet's).
+double measure_peak_tflops(const torch::Device& device, torch::ScalarType dtype) {
   // Sizes at which the matrix units run at their rate (a 1024^3 product on a CPU mostly measures
   // thread start-up): 8192^3 on a GPU, 2048^3 (17 GFLOP, a fraction of a second) on a CPU.
   const int64_t n = device.is_cuda() ? 8192 : 2048;
-  auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
-  auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
+  auto a = torch::randn({n, n}, torch::TensorOptions().device(device).dtype(dtype));
+  auto b = torch::randn({n, n}, torch::TensorOptions().device(device).dtype(dtype));
   for (int i = 0; i < (device.is_cuda() ? 3 : 1); ++i) torch::mm(a, b);
   device::Stopwatch watch(device);
   const int reps = device.is_cuda() ? 20 : 3;
@@ -231,7 +232,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
   if (first) {
     log("parity check");
     try {
-      live.parity = check_before_timing(strategy_name, preset.config, options, dev);
+      live.parity = check_before_timing(strategy_name, preset.config, options, dev, settings.precision);
     } catch (const std::exception& e) {  // a check that cannot run is this cell's result; the matrix goes on
       live.parity = {false, std::string("the check could not run: ") + e.what()};
     }
@@ -248,6 +249,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
         config.device = dev;
         config.optimizer.kind = settings.optimizer;
         config.optimizer.lr = 1e-4;
+        config.precision = settings.precision;
         config.options = options;
         live.strategy = Registry::create(strategy_name, config);
         auto model = models::build_model(preset.config, 0);
@@ -376,7 +378,8 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
 
 constexpr const char* kUsage =
     "usage: strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N] [--batch=N]\n"
-    "                    [--classes=N] [--optimizer=sgd|adamw] [--options='k=v;strategy:k=v'] [--peak-tflops=X]\n"
+    "                    [--classes=N] [--optimizer=sgd|adamw] [--precision=fp32|bf16|fp16[,k=v]]\n"
+    "                    [--options='k=v;strategy:k=v'] [--peak-tflops=X]\n"
     "                    [Google Benchmark's --benchmark_* flags] | --list | --list-strategies | --help\n"
     "The benchmark matrix: every strategy x model preset a cell, each parity-checked before it is timed.\n"
     "  --models        presets (--list shows them; default gpt-cpu,bert-tiny on the CPU,\n"
@@ -384,7 +387,9 @@ constexpr const char* kUsage =
     "  --strategies    registered strategies (default: every one that needs no options;\n"
     "                  --list-strategies prints that list, one per line)\n"
     "  --options       options for every strategy, or strategy:key=value for one, ';'-separated\n"
-    "  --peak-tflops   the matmul rate to report against (default: measured at start)\n"
+    "  --precision     compute dtype over fp32 master weights, with overrides (bf16,transfer=fp32,\n"
+    "                  reduce=bf16; fp16 adds loss scaling: scale=N,growth=N); default fp32\n"
+    "  --peak-tflops   the matmul rate to report against (default: measured at start, in that dtype)\n"
     "  --benchmark_out=FILE --benchmark_out_format=json --benchmark_repetitions=N: Google Benchmark's\n"
     "Counters and formulas: bench/METRICS.md.\n";
 
@@ -417,6 +422,7 @@ int run(int argc, char** argv) {
     else if (auto v = value("steps")) s.steps = static_cast<int>(int_arg("steps", *v));
     else if (auto v = value("peak-tflops")) s.peak_tflops = real_arg("peak-tflops", *v);
     else if (auto v = value("optimizer")) s.optimizer = parse_optimizer_kind(*v);
+    else if (auto v = value("precision")) s.precision = PrecisionPolicy::parse(*v);
     else if (auto v = value("classes")) s.classes = int_arg("classes", *v);
     else if (auto v = value("batch")) s.batch = int_arg("batch", *v);
     else if (auto v = value("options")) s.options = parse_options_arg(*v);
@@ -439,9 +445,9 @@ int run(int argc, char** argv) {
   for (const auto& st : s.strategies) Registry::description(st);
   at::globalContext().setAllowTF32CuBLAS(true);
   at::globalContext().setAllowTF32CuDNN(true);
-  if (s.peak_tflops <= 0) s.peak_tflops = measure_peak_tflops(s.device);
+  if (s.peak_tflops <= 0) s.peak_tflops = measure_peak_tflops(s.device, s.precision.compute);
   const auto device_name = device::name(s.device);
-  s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true);
+  s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true, s.precision.compute);
   const double link = measure_h2d_gbps(s.device);
   // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
   const double host_triad = s.device.is_cuda() ? measure_host_triad_gbps() : 0.0;
@@ -457,6 +463,7 @@ int run(int argc, char** argv) {
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
   benchmark::AddCustomContext("host_triad_GBps", std::to_string(host_triad));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
+  benchmark::AddCustomContext("precision", s.precision.to_string());
 
   const auto& env = distributed::environment();
   if (env.launched && env.world_size > 1) {
@@ -492,6 +499,7 @@ int run(int argc, char** argv) {
       Cell cell{st, options_for(s.options, st), "", preset, ++index, total};
       // Launched over several ranks, the cell's name says how many, as the peers' names do.
       auto shown = cell.options;
+      if (!s.precision.is_fp32()) shown["precision"] = s.precision.to_string();
       if (distributed::environment().launched && distributed::environment().world_size > 1)
         shown["ranks"] = std::to_string(distributed::environment().world_size);
       cell.label = label_with_options(st, shown);

@@ -358,6 +358,17 @@ TEST(ParityChecker, catches_a_doubled_gradient) {
   }
 }
 
+// Under bf16 the bound grows with bf16's rounding (the baselines train in bf16); a doubled
+// gradient is still far outside it.
+TEST(ParityChecker, catches_a_doubled_gradient_under_bf16) {
+  ParityCase c;
+  c.model = models::preset("gpt-tiny").config;
+  c.precision = PrecisionPolicy::parse("bf16");
+  const auto r = check_with<DoubleBackward>(c);
+  EXPECT_FALSE(r.ok) << c.to_string();
+  EXPECT_THAT(r.message, HasSubstr("gradient")) << c.to_string();
+}
+
 TEST(ParityChecker, catches_a_strategy_that_does_not_accumulate) {
   ParityCase c;
   c.model = models::preset("mlp-tiny").config;

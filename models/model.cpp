@@ -179,14 +179,25 @@ BlockModel::BlockModel(ModelConfig config, std::vector<std::shared_ptr<Block>> b
   index_by_identity(blocks_, [](Block& b) { return b.named_buffers(/*recurse=*/true); }, buffers_, block_buffers_);
 }
 
-torch::Tensor BlockModel::loss(const torch::Tensor& output, const torch::Tensor& target) const {
+namespace {
+// The loss is taken in fp32 whatever the compute dtype (bf16 or fp16 logits are widened first);
+// float64 outputs (the parity checker's reference) stay as they are.
+torch::Tensor widened(const torch::Tensor& output) {
+  return output.scalar_type() == torch::kBFloat16 || output.scalar_type() == torch::kHalf ? output.to(torch::kFloat)
+                                                                                         : output;
+}
+}  // namespace
+
+torch::Tensor BlockModel::loss(const torch::Tensor& logits, const torch::Tensor& target) const {
   namespace F = torch::nn::functional;
+  const auto output = widened(logits);
   return F::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}),
                           F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex));
 }
 
-torch::Tensor BlockModel::loss_sum(const torch::Tensor& output, const torch::Tensor& target) const {
+torch::Tensor BlockModel::loss_sum(const torch::Tensor& logits, const torch::Tensor& target) const {
   namespace F = torch::nn::functional;
+  const auto output = widened(logits);
   return F::cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}),
                           F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex).reduction(torch::kSum));
 }

@@ -112,7 +112,7 @@ class BlockModel {
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
   /// Mean cross-entropy of output [..., C] against integer targets [...], over the targets that are
-  /// not kIgnoreIndex.
+  /// not kIgnoreIndex, taken in fp32 (bf16 and fp16 outputs are widened first).
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
   /// The sum that loss() averages: cross-entropy summed over the targets that are not
   /// kIgnoreIndex. A strategy that splits a batch divides each slice's sum by the whole batch's

@@ -42,7 +42,13 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   STRATA_CHECK(found != entries().end(),
                "unknown strategy '" << name << "'; registered strategies: " << known_names());
   config.optimizer.validate();
-  return found->second.factory(config);
+  config.precision.validate();
+  check_precision_on(config.precision, config.device);
+  auto strategy = found->second.factory(config);
+  STRATA_CHECK(strategy->supports(config.precision), "strategy '" << name << "' does not train in precision "
+                                                                 << config.precision.to_string()
+                                                                 << " yet; it runs in fp32 only");
+  return strategy;
 }
 
 std::vector<std::string> Registry::names() {

@@ -11,6 +11,7 @@
 
 #include "models/model.h"
 #include "strategies/optim.h"
+#include "strategies/precision.h"
 
 namespace strata {
 
@@ -30,6 +31,8 @@ struct Stats {
   int64_t bytes_h2d = 0;           ///< host to device
   int64_t bytes_d2h = 0;           ///< device to host
   int64_t bytes_interconnect = 0;  ///< device to device and collectives
+  double loss_scale = 1.0;         ///< fp16: the loss scale now (1 when the policy does not scale)
+  int64_t skipped_steps = 0;       ///< fp16: optimizer steps skipped for an inf or nan gradient, ever
   std::map<std::string, DeviceMemory> devices;  ///< by device name ("cuda:0", "cpu")
 };
 
@@ -39,6 +42,7 @@ struct StrategyConfig {
   torch::Device device{torch::kCPU};      ///< main device: inputs start here
   std::vector<torch::Device> devices;     ///< all devices the strategy may use; empty means {device}
   OptimizerConfig optimizer;
+  PrecisionPolicy precision;              ///< fp32 by default; strategies that cannot honour another refuse it
   std::map<std::string, std::string> options;
 };
 
@@ -85,6 +89,9 @@ class Strategy {
   /// Processes (ranks) the strategy's model spans; each is handed the global batch. 1 for
   /// single-process strategies.
   virtual int world_size() const { return 1; }
+  /// Whether the strategy trains under `policy`; Registry::create refuses the others with an
+  /// Error naming both. fp32 only unless a strategy says more.
+  virtual bool supports(const PrecisionPolicy& policy) const { return policy.is_fp32(); }
   /// Bytes moved and memory held since the last reset_stats().
   virtual Stats stats() = 0;
   /// Zeroes the byte counters and the peaks (allocator peaks included).

@@ -15,6 +15,7 @@ std::string ParityCase::to_string() const {
   std::ostringstream out;
   out << model_text() << " batch=" << batch_size << " seed=" << seed << " steps=" << steps;
   if (ignore_targets) out << " ignore=1";
+  if (!precision.is_fp32()) out << " precision=" << precision.to_string();
   for (const auto& [k, v] : options) out << " " << k << "=" << v;
   return out.str();
 }
@@ -45,6 +46,8 @@ ParityCase ParityCase::parse(const std::string& text) {
       c.steps = static_cast<int>(models::int_arg(field, key));
     else if (key == "ignore")
       c.ignore_targets = models::int_arg(field, key) != 0;
+    else if (key == "precision")
+      c.precision = PrecisionPolicy::parse(value);
     else
       c.options[key] = value;
   }
@@ -74,7 +77,7 @@ double max_abs(const torch::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().m
 
 std::string compare_one(const std::string& what, const std::string& name, const torch::Tensor& actual,
                         const std::vector<torch::Tensor>& baselines, const torch::Tensor& reference, double scale,
-                        double carried, double* bound_out) {
+                        double carried, double* bound_out, double unit_roundoff) {
   std::ostringstream out;
   if (actual.sizes() != reference.sizes()) {
     out << what << " '" << name << "': shape " << actual.sizes() << " but the baseline has " << reference.sizes();
@@ -89,12 +92,13 @@ std::string compare_one(const std::string& what, const std::string& name, const 
   double baseline_error = 0.0;
   for (const auto& b : baselines) baseline_error = std::max(baseline_error, max_abs(b.to(torch::kCPU, torch::kDouble) - r));
   const double error = max_abs(a - r);
-  const double bound = kReferenceErrorMultiple * baseline_error + kRoundingFloorUlps * kFp32UnitRoundoff * scale +
+  const double bound = kReferenceErrorMultiple * baseline_error + kRoundingFloorUlps * unit_roundoff * scale +
                        kFp32SmallestNormal + carried;
   if (bound_out) *bound_out = bound;
   if (error <= bound) return {};
-  out << what << " '" << name << "': max|strategy - fp64|=" << error << " > bound " << bound
-      << " (fp32 baseline error " << baseline_error << ", scale " << scale;
+  out << what << " '" << name << "': max|strategy - fp64|=" << error << " > bound " << bound << " ("
+      << (unit_roundoff == kFp32UnitRoundoff ? "fp32" : "same-precision") << " baseline error " << baseline_error
+      << ", scale " << scale;
   if (carried > 0) out << ", carried from gradient bounds " << carried;
   out << ")";
   return out.str();
@@ -107,14 +111,15 @@ struct NoTf32 {
   ~NoTf32() { at::globalContext().setAllowTF32CuBLAS(saved); }
 };
 
-// Every floating-point parameter and buffer moved by about one ulp, each in a random direction.
-void move_by_an_ulp(models::BlockModel& model, uint64_t seed) {
+// Every floating-point parameter and buffer moved by about one ulp of the compute dtype (relative
+// 2u), each in a random direction.
+void move_by_an_ulp(models::BlockModel& model, uint64_t seed, double unit_roundoff) {
   torch::NoGradGuard no_grad;
   auto gen = at::detail::createCPUGenerator(seed);
   auto move = [&](torch::Tensor t) {
     if (!t.is_floating_point() || t.numel() == 0) return;
     auto sign = torch::randint(2, t.sizes(), gen, t.options()) * 2 - 1;
-    t.mul_(sign * std::ldexp(1.0, -23) + 1);
+    t.mul_(sign * (2.0 * unit_roundoff) + 1);
   };
   for (const auto& p : model.parameters()) move(p.tensor);
   for (const auto& b : model.buffers()) move(b.tensor);
@@ -163,7 +168,8 @@ std::vector<NamedTensors> of_each(std::vector<std::unique_ptr<Strategy>>& runs, 
 
 std::string compare_to_reference(const std::string& what, const NamedTensors& actual,
                                  const std::vector<NamedTensors>& baselines, const NamedTensors& reference,
-                                 const Scales& scales, const std::vector<double>& carried, std::vector<double>* bounds) {
+                                 const Scales& scales, const std::vector<double>& carried, std::vector<double>* bounds,
+                                 double unit_roundoff) {
   if (bounds) bounds->assign(reference.size(), 0.0);
   auto count_mismatch = [&](const NamedTensors& list, const std::string& whose) {
     std::ostringstream out;
@@ -180,7 +186,7 @@ std::string compare_to_reference(const std::string& what, const NamedTensors& ac
     std::vector<torch::Tensor> fp32;
     for (const auto& b : baselines) fp32.push_back(b[i].second);
     auto msg = compare_one(what, name, actual[i].second, fp32, reference[i].second, scales.at(i),
-                           carried.empty() ? 0.0 : carried.at(i), bounds ? &(*bounds)[i] : nullptr);
+                           carried.empty() ? 0.0 : carried.at(i), bounds ? &(*bounds)[i] : nullptr, unit_roundoff);
     if (!msg.empty()) return msg;
   }
   return {};
@@ -195,15 +201,18 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     config.optimizer.kind = kind;
     config.optimizer.lr = kind == OptimizerKind::sgd ? 0.05 : 1e-3;
     config.optimizer.eps = kParityAdamwEps;
+    const StrategyConfig fp64_config = config;  // the reference: float64 model, no policy
+    config.precision = c.precision;
     const StrategyConfig base_config = config;
     config.options = c.options;
+    const double u = unit_roundoff(c.precision.compute);
 
-    auto reference = Registry::create("baseline", base_config);
+    auto reference = Registry::create("baseline", fp64_config);
     reference->attach(in_float64(c.build()));
     std::vector<std::unique_ptr<Strategy>> baselines;
     for (int k = 0; k <= kPerturbedReferences; ++k) {
       auto model = c.build();
-      if (k > 0) move_by_an_ulp(model, c.seed * 7919 + static_cast<uint64_t>(k));
+      if (k > 0) move_by_an_ulp(model, c.seed * 7919 + static_cast<uint64_t>(k), u);
       baselines.push_back(Registry::create("baseline", base_config));
       baselines.back()->attach(std::move(model));
     }
@@ -221,7 +230,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
                        std::vector<double>* bounds = nullptr) {
       const auto expected = get(*reference);
       return compare_to_reference(what, get(*strategy), of_each(baselines, get), expected, scales_of(expected), carried,
-                                  bounds);
+                                  bounds, u);
     };
     // What a gradient error within its bound may do to the parameters: an optimizer step moves a
     // parameter by lr x gain x (gradient error) at most (gain: 1 / (1 - momentum) for SGD's
@@ -256,7 +265,8 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         const double actual = strategy->train_step(batch);
         const auto ref_loss = as_named("loss", expected);
         if (auto msg = settle(
-                compare_to_reference("loss", as_named("loss", actual), base_losses, ref_loss, own_scales(ref_loss)));
+                compare_to_reference("loss", as_named("loss", actual), base_losses, ref_loss, own_scales(ref_loss), {},
+                                     nullptr, u));
             !msg.empty())
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
       }

@@ -84,6 +84,10 @@ struct ParityCase {
   int steps = 3;                              ///< optimizer steps, each after one train_step
   bool ignore_targets = false;                ///< about a third of the targets are kIgnoreIndex (never all)
   std::map<std::string, std::string> options; ///< the strategy's own options
+  /// The strategy and the baselines B_k train under it (the float64 reference does not): its
+  /// compute dtype's unit roundoff replaces fp32's in the bound, and each B_k moves every
+  /// parameter by one ulp of that dtype, so the B_k measure its rounding. Default fp32.
+  PrecisionPolicy precision;
 
   /// "gpt(depth=1 ...) batch=1 seed=145 steps=3 balance=3 classifier_shards=2": the model, the
   /// case's own fields, then the options; parse() reads it back (not for a model of one's own).
@@ -120,6 +124,6 @@ using Scales = std::vector<double>;
 std::string compare_to_reference(const std::string& what, const NamedTensors& actual,
                                  const std::vector<NamedTensors>& baselines, const NamedTensors& reference,
                                  const Scales& scales, const std::vector<double>& carried = {},
-                                 std::vector<double>* bounds = nullptr);
+                                 std::vector<double>* bounds = nullptr, double unit_roundoff = kFp32UnitRoundoff);
 
 }  // namespace strata::correctness

@@ -17,7 +17,7 @@ BaselineOptions BaselineOptions::parse(const std::map<std::string, std::string>&
 }
 
 Baseline::Baseline(std::string name, const StrategyConfig& config, BaselineOptions options)
-    : name_(std::move(name)), config_(config), options_(options) {
+    : name_(std::move(name)), config_(config), options_(options), scaler_(config.precision) {
   device::check_available(config_.device);
 }
 
@@ -31,6 +31,9 @@ void Baseline::attach_model(models::BlockModel model) {
   // tensor.
   for (const auto& block : model.blocks()) block->to(config_.device);
   optimizer_state_.assign(model.parameters().size(), {});
+  std::vector<torch::Tensor> params;
+  for (const auto& p : model.parameters()) params.push_back(p.tensor);
+  copies_ = ComputeCopies(config_.precision, std::move(params));
   model_.emplace(std::move(model));
 }
 
@@ -45,33 +48,46 @@ torch::Tensor Baseline::run_blocks(torch::Tensor x, bool checkpoint) {
 }
 
 double Baseline::train_step(const models::Batch& batch) {
-  auto input = batch.input.to(config_.device);
+  auto input = config_.precision.cast_input(batch.input.to(config_.device));
   auto target = batch.target.to(config_.device);
   bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
-  auto loss = model().loss(run_blocks(input, options_.checkpoint), target);
-  loss.backward();
+  auto& m = model();
+  ComputeCopies::Scope bound(copies_);  // the blocks compute in the policy's dtype until backward is done
+  auto loss = m.loss(run_blocks(input, options_.checkpoint), target);
+  (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
   return loss.item<double>();
 }
 
 torch::Tensor Baseline::forward(const torch::Tensor& input) {
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
-  return run_blocks(input.to(config_.device), /*checkpoint=*/false);
+  auto x = config_.precision.cast_input(input.to(config_.device));
+  ComputeCopies::Scope bound(copies_);
+  return run_blocks(x, /*checkpoint=*/false);
 }
 
 void Baseline::optimizer_step() {
   const auto& params = model().parameters();
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.tensor.grad());
+  // fp16: the gradients carry the loss scale; a step with an inf or nan in any of them is skipped.
+  const bool finite = scaler_.unscale(grads);
   for (size_t i = 0; i < params.size(); ++i) {
     auto p = params[i].tensor;
-    step_and_release_grad(config_.optimizer, p, optimizer_state_[i]);
+    if (finite)
+      step_and_release_grad(config_.optimizer, p, optimizer_state_[i]);
+    else
+      p.mutable_grad() = torch::Tensor();
   }
+  scaler_.update(finite);
 }
 
 NamedTensors Baseline::gradients() {
   std::vector<models::NamedParameter> grads;
   for (const auto& p : model().parameters()) {
     const auto& g = p.tensor.grad();
-    grads.push_back({p.name, g.defined() ? g : torch::zeros_like(p.tensor), p.owner_block});
+    // Reported unscaled: what the optimizer will apply.
+    grads.push_back({p.name, g.defined() ? g / scaler_.scale() : torch::zeros_like(p.tensor), p.owner_block});
   }
   return host_copies(grads);
 }
@@ -83,6 +99,8 @@ NamedTensors Baseline::buffers() { return host_copies(model().buffers()); }
 Stats Baseline::stats() {
   Stats s;
   s.bytes_h2d = bytes_h2d_;
+  s.loss_scale = scaler_.scale();
+  s.skipped_steps = scaler_.skipped_steps();
   auto& mem = s.devices[config_.device.str()];
   mem.resident_param_bytes = mem.peak_param_bytes = model().parameter_bytes();
   const auto alloc = device::allocator_stats(config_.device);

@@ -27,6 +27,8 @@ class Baseline : public Strategy {
   NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
+  /// Every policy: compute copies of the parameters, fp32 masters, loss scaling for fp16.
+  bool supports(const PrecisionPolicy&) const override { return true; }
 
  protected:
   void attach_model(models::BlockModel model) override;
@@ -40,6 +42,8 @@ class Baseline : public Strategy {
   BaselineOptions options_;
   std::optional<models::BlockModel> model_;
   std::vector<OptimizerState> optimizer_state_;
+  ComputeCopies copies_;
+  LossScaler scaler_;
   int64_t bytes_h2d_ = 0;
 };
 

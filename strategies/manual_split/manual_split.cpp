@@ -99,8 +99,19 @@ std::vector<int64_t> ManualSplit::partition(const std::vector<double>& w, int64_
 }
 
 ManualSplit::ManualSplit(std::string name, const StrategyConfig& config, ManualSplitOptions options)
-    : name_(std::move(name)), config_(config), options_(std::move(options)) {
+    : name_(std::move(name)), config_(config), options_(std::move(options)), scaler_(config.precision) {
   device::check_available(config_.device);
+}
+
+std::vector<torch::Tensor> ManualSplit::trained_tensors() {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model().parameters()) out.push_back(p.tensor);
+  for (auto& r : replicas_) out.push_back(r.value);
+  for (auto& s : shards_) {
+    out.push_back(s.weight);
+    if (s.bias.defined()) out.push_back(s.bias);
+  }
+  return out;
 }
 
 models::BlockModel& ManualSplit::model() {
@@ -236,6 +247,7 @@ void ManualSplit::attach_model(models::BlockModel model) {
   optimizer_state_.assign(params.size(), {});
   kept_.assign(n, {});
   model_.emplace(std::move(model));
+  copies_ = ComputeCopies(config_.precision, trained_tensors());
   STRATA_CHECK(!sharded() || replicas_of_block(last).empty(),
                "manual_split: classifier_shards=" << options_.classifier_shards << " needs a head that shares no "
                                                   << "parameter with another stage");
@@ -358,7 +370,9 @@ torch::Tensor ManualSplit::sharded_loss(const torch::Tensor& features, const tor
   std::vector<torch::Tensor> logits;
   std::vector<torch::Tensor> maxima;
   for (auto& s : shards_) {
+    // The loss in fp32, as the model's own: bf16 or fp16 logits are widened first.
     auto z = torch::nn::functional::linear(transfer(h, s.device), s.weight, s.bias);
+    if (z.scalar_type() != torch::kFloat && z.scalar_type() != torch::kDouble) z = z.to(torch::kFloat);
     maxima.push_back(transfer(std::get<0>(z.detach().max(1)), out_dev));
     logits.push_back(z);
   }
@@ -416,8 +430,9 @@ double ManualSplit::train_step(const models::Batch& batch) {
   bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
   torch::Tensor loss;
   try {
-    run_blocks(batch.input.to(devices_.front()), batch.target, &loss);
-    loss.backward();
+    ComputeCopies::Scope bound(copies_);  // the stages compute in the policy's dtype until backward is done
+    run_blocks(config_.precision.cast_input(batch.input.to(devices_.front())), batch.target, &loss);
+    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
   } catch (...) {
     for (auto& kept : kept_) kept = {};  // a failed step keeps no activations
     throw;
@@ -431,12 +446,23 @@ torch::Tensor ManualSplit::forward(const torch::Tensor& input) {
   model();
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
-  return run_blocks(input.to(devices_.front()), {}, nullptr);
+  ComputeCopies::Scope bound(copies_);
+  return run_blocks(config_.precision.cast_input(input.to(devices_.front())), {}, nullptr);
 }
 
 void ManualSplit::optimizer_step() {
   auto& params = model().parameters();
   torch::NoGradGuard no_grad;
+  // fp16: the gradients carry the loss scale; a step with an inf or nan in any of them is skipped.
+  auto trained = trained_tensors();
+  std::vector<torch::Tensor> grads;
+  for (auto& t : trained) grads.push_back(t.grad());
+  const bool finite = scaler_.unscale(grads);
+  scaler_.update(finite);
+  if (!finite) {
+    for (auto& t : trained) t.mutable_grad() = torch::Tensor();
+    return;
+  }
   if (options_.sync_replicas) {
     for (auto& r : replicas_) {
       const auto& g = r.value.grad();
@@ -481,7 +507,7 @@ NamedTensors ManualSplit::gradients() {
         for (auto& r : replicas_)
           if (r.param == static_cast<int64_t>(p) && r.value.grad().defined()) g = g + r.value.grad().cpu();
     }
-    out.emplace_back(params[p].name, g);
+    out.emplace_back(params[p].name, scaler_.enabled() ? g / scaler_.scale() : g);  // unscaled: what the step applies
   }
   return out;
 }
@@ -525,6 +551,8 @@ std::vector<std::pair<std::string, torch::Device>> ManualSplit::placement() {
 Stats ManualSplit::stats() {
   Stats s;
   s.bytes_h2d = bytes_h2d_;
+  s.loss_scale = scaler_.scale();
+  s.skipped_steps = scaler_.skipped_steps();
   s.bytes_interconnect = bytes_interconnect_;
   const auto& params = model().parameters();
   auto add = [&](const torch::Device& d, int64_t bytes) {

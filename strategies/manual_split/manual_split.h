@@ -44,6 +44,9 @@ class ManualSplit : public Strategy {
   NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
+  /// Every policy: compute copies of the parameters, replicas and head shards on their devices,
+  /// so activations cross devices in the compute dtype; fp32 masters; loss scaling for fp16.
+  bool supports(const PrecisionPolicy&) const override { return true; }
 
   /// Stage devices and blocks per stage as resolved at attach().
   const std::vector<torch::Device>& stage_devices() const { return devices_; }
@@ -115,6 +118,11 @@ class ManualSplit : public Strategy {
   std::vector<Shard> shards_;
   int64_t head_weight_ = -1, head_bias_ = -1;  ///< parameter indices of the split head
 
+  /// Every tensor the optimizer updates (parameters, replicas, head shards), in one list.
+  std::vector<torch::Tensor> trained_tensors();
+
+  ComputeCopies copies_;
+  LossScaler scaler_;
   int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
 };
 

@@ -205,7 +205,7 @@ class Pipeline::Swap {
 // ---------------------------------------------------------------------------------------------
 
 Pipeline::Pipeline(std::string name, const StrategyConfig& config, PipelineOptions options)
-    : name_(std::move(name)), config_(config), options_(std::move(options)) {
+    : name_(std::move(name)), config_(config), options_(std::move(options)), scaler_(config.precision) {
   device::check_available(config_.device);
   if (custom()) {
     try {
@@ -411,6 +411,13 @@ void Pipeline::attach_model(models::BlockModel model) {
   }
   grads_.assign(params.size(), torch::Tensor());
   optimizer_state_.assign(params.size(), OptimizerState{});
+  {
+    std::vector<torch::Tensor> computed;
+    for (const auto& p : params) computed.push_back(p.tensor);
+    for (auto& stage : replicas_)
+      for (auto& r : stage) computed.push_back(r.value);
+    copies_ = ComputeCopies(config_.precision, std::move(computed));
+  }
   peak_in_flight_.assign(static_cast<size_t>(stages), 0);
   model_.emplace(std::move(model));
   if (c10d_) {
@@ -611,7 +618,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   };
 
   if (a.op == pipeline::Op::F) {
-    auto x = s == 0 ? run.inputs[i].to(dev) : take(false);
+    auto x = s == 0 ? config_.precision.cast_input(run.inputs[i].to(dev)) : take(false);
     if (schedule_.rank_of(s) == 0) stream.compute_point();  // one rank's compute slowed (tests)
     start_timer();
     for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
@@ -625,7 +632,9 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
       // .grad to accumulate into, so nothing crosses from the engine back to another stream).
       auto out = x.detach().requires_grad_(x.is_floating_point());
       auto loss = m.loss_sum(out, run.targets[i].to(dev)) / run.target_count;
-      if (out.requires_grad()) state.loss_grad = torch::autograd::grad({loss}, {out})[0];
+      // fp16: the loss scale enters here, so every gradient behind it carries it.
+      if (out.requires_grad())
+        state.loss_grad = torch::autograd::grad({scaler_.enabled() ? loss * scaler_.scale() : loss}, {out})[0];
       run.losses[i] = loss.detach();
       stop_timer();
     } else {
@@ -736,6 +745,8 @@ double Pipeline::train_step(const models::Batch& batch) {
     if (!w) w = std::make_unique<device::HostQueue>();
     return *w;
   };
+  // The stages compute in the policy's dtype while the actions run (bound before any starts).
+  auto bound = std::make_unique<ComputeCopies::Scope>(copies_);
   std::vector<device::HostQueue*> busy;
   if (c10d_) {  // this process's rank, and a receiver per rank that sends it anything
     busy.push_back(&worker(my_rank_));
@@ -751,6 +762,7 @@ double Pipeline::train_step(const models::Batch& batch) {
     }
   }
   for (auto* w : busy) w->drain();  // run_rank and receive_from catch their own errors
+  bound.reset();
   if (c10d_) {
     device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
     finish_remote_step(run);
@@ -775,7 +787,8 @@ double Pipeline::train_step(const models::Batch& batch) {
       const auto& g = run.stage_grads[static_cast<size_t>(s)][i];
       if (!g.defined()) continue;
       if (g.device() != params[i].tensor.device()) bytes_interconnect_ += g.nbytes();
-      accumulate(shared[i] ? step[i] : grads_[i], g.to(params[i].tensor.device()));
+      // Compute-dtype gradients join the fp32 sums (the masters' dtype) here.
+      accumulate(shared[i] ? step[i] : grads_[i], g.to(params[i].tensor.device(), params[i].tensor.scalar_type()));
     }
   }
   double loss = 0;
@@ -852,6 +865,8 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
     group_->all_reduce(out).wait();
     return out;
   }
+  ComputeCopies::Scope bound(copies_);
+  x = config_.precision.cast_input(x);
   for (int s = 0; s < schedule_.num_stages(); ++s) {
     x = x.to(device_of_stage(s));
     for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) {
@@ -862,9 +877,19 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   return x;
 }
 
+bool Pipeline::supports(const PrecisionPolicy& policy) const {
+  const auto& env = distributed::environment();
+  return policy.is_fp32() || !(env.launched && env.world_size > 1);
+}
+
 void Pipeline::optimizer_step() {
   auto& params = model().parameters();
   torch::NoGradGuard no_grad;
+  // fp16: the gradients carry the loss scale; a step with an inf or nan in any of them is skipped.
+  const bool finite = scaler_.unscale(grads_);
+  scaler_.update(finite);
+  if (!finite)
+    for (auto& g : grads_) g = torch::Tensor();
   for (size_t i = 0; i < params.size(); ++i) {
     if (!grads_[i].defined()) continue;
     auto t = params[i].tensor.data();
@@ -927,7 +952,7 @@ NamedTensors Pipeline::gradients() {
   }
   NamedTensors out;
   for (size_t i = 0; i < params.size(); ++i)
-    out.emplace_back(params[i].name, grads_[i].defined() ? grads_[i].detach().cpu().clone()
+    out.emplace_back(params[i].name, grads_[i].defined() ? (grads_[i] / scaler_.scale()).detach().cpu().clone()
                                                          : torch::zeros(params[i].tensor.sizes()));
   return out;
 }
@@ -945,6 +970,8 @@ NamedTensors Pipeline::buffers() {
 Stats Pipeline::stats() {
   Stats s;
   s.bytes_h2d = bytes_h2d_;
+  s.loss_scale = scaler_.scale();
+  s.skipped_steps = scaler_.skipped_steps();
   s.bytes_interconnect = bytes_interconnect_;
   const auto& params = model().parameters();
   for (const auto& d : rank_devices_) {

@@ -70,6 +70,9 @@ class Pipeline : public Strategy {
   NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
+  /// Every policy in one process (stages compute on compute copies of their parameters and
+  /// replicas, activations travel between them in the compute dtype); fp32 only across processes.
+  bool supports(const PrecisionPolicy& policy) const override;
 
   /// The schedule of the last train_step (at attach: the one for micro_batches, or 2 per rank).
   const pipeline::Schedule& schedule() const { return schedule_; }
@@ -132,6 +135,8 @@ class Pipeline : public Strategy {
   std::vector<std::unique_ptr<std::mutex>> locks_;      ///< parameter -> its lock (replicated ones)
   std::vector<torch::Tensor> grads_;                    ///< parameter -> summed gradient on the home device
   std::vector<OptimizerState> optimizer_state_;
+  ComputeCopies copies_;  ///< the parameters and replicas, bound while a step's actions run
+  LossScaler scaler_;
   std::vector<int> peak_in_flight_;
   int64_t bytes_h2d_ = 0, bytes_interconnect_ = 0;
   pipeline::Costs last_costs_;

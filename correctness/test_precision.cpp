@@ -1,0 +1,270 @@
+// Mixed precision: the policy's text form and its refusals, compute copies over fp32 masters, the
+// loss scaler, and parity under bf16 (and fp16 where the device has it) against the float64
+// reference with bounds from the compute dtype's rounding.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "correctness/support/errors.h"
+#include "correctness/support/parity.h"
+#include "correctness/support/test_device.h"
+#include "models/check.h"
+#include "strategies/baseline/baseline.h"
+#include "strategies/precision.h"
+
+namespace strata {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(Precision, policies_read_back_from_their_text) {
+  for (const auto* text : {"fp32", "bf16", "fp16", "bf16,transfer=fp32", "bf16,reduce=bf16", "fp16,scale=1024,growth=50"}) {
+    EXPECT_EQ(PrecisionPolicy::parse(text).to_string(), text);
+  }
+  const auto p = PrecisionPolicy::parse("bf16");
+  EXPECT_EQ(p.compute, torch::kBFloat16);
+  EXPECT_EQ(p.transfer, torch::kBFloat16);
+  EXPECT_EQ(p.reduce, torch::kFloat);  // gradients are summed in fp32 unless asked otherwise
+  EXPECT_FALSE(p.scales_loss());
+  EXPECT_TRUE(PrecisionPolicy::parse("fp16").scales_loss());
+  EXPECT_TRUE(PrecisionPolicy{}.is_fp32());
+}
+
+TEST(Precision, invalid_policies_name_what_is_wrong) {
+  auto error_of = [](const std::string& text) { return test::error_of([&] { (void)PrecisionPolicy::parse(text); }); };
+  EXPECT_THAT(error_of("fp8"), HasSubstr("'fp8'"));
+  EXPECT_THAT(error_of("bf16,transfer=fp16"), HasSubstr("transfer=fp16 with compute=bf16"));
+  EXPECT_THAT(error_of("fp32,transfer=bf16"), HasSubstr("transfer=bf16 with compute=fp32"));
+  EXPECT_THAT(error_of("fp16,reduce=bf16"), HasSubstr("reduce=bf16 with compute=fp16"));
+  EXPECT_THAT(error_of("fp32,reduce=fp16"), HasSubstr("reduce=fp16 with compute=fp32"));
+  EXPECT_THAT(error_of("bf16,colour=red"), HasSubstr("unknown key 'colour'"));
+  EXPECT_THAT(error_of("bf16,reduce"), HasSubstr("'reduce' is not key=value"));
+  EXPECT_THAT(error_of("fp16,scale=-2"), HasSubstr("scale=-2"));
+  EXPECT_THAT(error_of("fp16,scale=lots"), HasSubstr("scale='lots'"));
+  EXPECT_THAT(error_of("fp16,growth=0"), HasSubstr("growth='0'"));
+  EXPECT_THAT(error_of("reduce=fp32"), HasSubstr("must start with fp32, bf16 or fp16"));
+}
+
+TEST(Precision, a_strategy_without_the_policy_refuses_it_by_name) {
+  StrategyConfig config;
+  config.device = test::device();
+  config.precision = PrecisionPolicy::parse("bf16");
+  const auto message = test::error_of([&] { (void)Registry::create("hook_offload", config); });
+  EXPECT_THAT(message, AllOf(HasSubstr("hook_offload"), HasSubstr("bf16"), HasSubstr("fp32 only")));
+  EXPECT_NO_THROW((void)Registry::create("baseline", config));
+}
+
+TEST(Precision, fp16_runs_where_the_device_has_it_and_is_refused_by_name_where_not) {
+  StrategyConfig config;
+  config.device = test::device();
+  config.precision = PrecisionPolicy::parse("fp16");
+  std::unique_ptr<Strategy> s;
+  try {
+    s = Registry::create("baseline", config);
+  } catch (const Error& e) {
+    ASSERT_TRUE(config.device.is_cpu()) << "fp16 refused on " << config.device << ": " << e.what();
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("fp16"), HasSubstr("cpu"), HasSubstr("use bf16")));
+    return;
+  }
+  const auto model_config = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(model_config, 0));
+  EXPECT_TRUE(std::isfinite(s->train_step(models::make_batch(model_config, 2, 1))));
+}
+
+// Under bf16 the blocks see bf16 parameters while a step runs, and the optimizer fp32 masters
+// with fp32 gradients; the loss moves by bf16's rounding, not more.
+TEST(Precision, blocks_compute_in_bf16_over_fp32_masters) {
+  const auto model_config = models::preset("gpt-tiny").config;
+  const auto batch = models::make_batch(model_config, 2, 1);
+  auto run = [&](const std::string& precision) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.precision = PrecisionPolicy::parse(precision);
+    auto s = Registry::create("baseline", config);
+    s->attach(models::build_model(model_config, 0));
+    const double loss = s->train_step(batch);
+    return std::make_pair(loss, std::move(s));
+  };
+  auto [fp32_loss, fp32] = run("fp32");
+  auto [bf16_loss, bf16] = run("bf16");
+  EXPECT_NE(bf16_loss, fp32_loss) << "bf16 compute left the loss bit-identical to fp32's";
+  EXPECT_NEAR(bf16_loss, fp32_loss, 0.05 * std::abs(fp32_loss));
+  for (const auto& [name, g] : bf16->gradients()) EXPECT_EQ(g.scalar_type(), torch::kFloat) << name;
+  for (const auto& [name, p] : bf16->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat) << name;
+  // The gradients differ from fp32's by rounding: close, and not identical.
+  const auto g32 = fp32->gradients(), g16 = bf16->gradients();
+  double largest = 0, diff = 0;
+  for (size_t i = 0; i < g32.size(); ++i) {
+    largest = std::max(largest, g32[i].second.abs().max().item<double>());
+    diff = std::max(diff, (g32[i].second - g16[i].second).abs().max().item<double>());
+  }
+  EXPECT_GT(diff, 0.0);
+  EXPECT_LT(diff, 0.1 * largest);
+}
+
+TEST(Precision, compute_copies_sum_gradients_in_fp32_over_steps_and_restore_the_masters) {
+  auto p = torch::full({4}, 1.0f + 1.0f / 512, torch::TensorOptions().device(test::device())).requires_grad_();
+  const auto master = p.data();
+  ComputeCopies copies(PrecisionPolicy::parse("bf16"), {p});
+  for (int step = 0; step < 2; ++step) {
+    ComputeCopies::Scope bound(copies);
+    EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(p.data()[0].item<float>(), 1.0f);  // 1 + 2^-9 rounds to 1 in bf16 (8 significant bits)
+    (p * 3).sum().backward();
+  }
+  EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  EXPECT_EQ(p.data_ptr(), master.data_ptr()) << "the fp32 master was not put back";
+  EXPECT_EQ(p.data()[0].item<float>(), 1.0f + 1.0f / 512);
+  ASSERT_TRUE(p.grad().defined());
+  EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(p.grad()[0].item<float>(), 6.0f);
+  // A step that throws leaves the masters and the earlier gradients as they were.
+  try {
+    ComputeCopies::Scope bound(copies);
+    (p * 5).sum().backward();
+    throw std::runtime_error("step failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  EXPECT_EQ(p.grad()[0].item<float>(), 6.0f);
+}
+
+TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_and_grows_it_back) {
+  LossScaler scaler(PrecisionPolicy::parse("fp16,scale=1024,growth=2"));
+  ASSERT_TRUE(scaler.enabled());
+  EXPECT_EQ(scaler.scale(), 1024.0);
+  auto g = torch::full({3}, 2048.0f);
+  EXPECT_TRUE(scaler.unscale({g}));
+  EXPECT_EQ(g[0].item<float>(), 2.0f);
+  scaler.update(true);
+  scaler.update(true);
+  EXPECT_EQ(scaler.scale(), 2048.0);  // two good steps in a row at growth=2
+  auto bad = torch::tensor({1.0f, std::numeric_limits<float>::infinity()});
+  EXPECT_FALSE(scaler.unscale({g, bad}));
+  scaler.update(false);
+  EXPECT_EQ(scaler.scale(), 1024.0);
+  EXPECT_EQ(scaler.skipped_steps(), 1);
+  auto nan = torch::tensor({std::nanf("")});
+  EXPECT_FALSE(scaler.unscale({nan}));
+  // Other dtypes do not scale.
+  LossScaler none(PrecisionPolicy::parse("bf16"));
+  EXPECT_FALSE(none.enabled());
+  EXPECT_EQ(none.scale(), 1.0);
+}
+
+// fp16 with a loss scale so large that the gradients overflow: the step is skipped (parameters
+// unchanged), the scale halves, and a later step with a sane scale trains.
+TEST(Precision, an_fp16_step_that_overflows_is_skipped_and_the_scale_lowered) {
+  StrategyConfig config;
+  config.device = test::device();
+  config.optimizer.lr = 0.1;
+  config.precision = PrecisionPolicy::parse("fp16,scale=1e30");
+  std::unique_ptr<Strategy> s;
+  try {
+    s = Registry::create("baseline", config);
+  } catch (const Error& e) {
+    // No fp16 on this device (the test above checks the refusal); the scaler's logic is checked
+    // on every device by the test before this one.
+    ASSERT_TRUE(config.device.is_cpu()) << e.what();
+    EXPECT_THAT(e.what(), HasSubstr("fp16"));
+    return;
+  }
+  const auto model_config = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(model_config, 0));
+  const auto before = s->parameters();
+  s->train_step(models::make_batch(model_config, 2, 1));
+  s->optimizer_step();
+  const auto after = s->parameters();
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
+  EXPECT_EQ(s->stats().skipped_steps, 1);
+  EXPECT_EQ(s->stats().loss_scale, 5e29);
+}
+
+// Which strategies train under a bf16 policy today; the others refuse it (the test above).
+TEST(Precision, the_strategies_that_train_in_bf16_are_these) {
+  const auto policy = PrecisionPolicy::parse("bf16");
+  std::vector<std::string> supporting;
+  for (const auto& name : Registry::names()) {
+    StrategyConfig probe;
+    probe.device = test::device();
+    probe.options = Registry::required_options(name);
+    if (Registry::create(name, probe)->supports(policy)) supporting.push_back(name);
+  }
+  EXPECT_THAT(supporting, ::testing::ElementsAre("baseline", "baseline_checkpoint", "manual_split", "pipeline_1f1b",
+                                                 "pipeline_custom", "pipeline_gpipe", "pipeline_interleaved",
+                                                 "pipeline_zero_bubble"));
+}
+
+// A block that records the dtypes it computes with: its weight's and its input's.
+class DtypeProbe : public models::Block {
+ public:
+  DtypeProbe(int64_t in, int64_t out, std::vector<torch::ScalarType>* seen) : seen_(seen) {
+    linear_ = register_module("linear", torch::nn::Linear(in, out));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    seen_->push_back(x.scalar_type());
+    seen_->push_back(linear_->weight.scalar_type());
+    return linear_->forward(x);
+  }
+
+ private:
+  torch::nn::Linear linear_{nullptr};
+  std::vector<torch::ScalarType>* seen_;
+};
+
+// Under bf16 every block of every supporting strategy sees bf16 weights and bf16 inputs: the
+// activations cross stages (and devices) in the compute dtype. A strategy that quietly computed in
+// fp32 would pass the parity bound (fp32 is more exact than bf16's bound asks), so this looks.
+TEST(Precision, every_supporting_strategy_computes_in_bf16_and_passes_bf16_activations_on) {
+  const auto policy = PrecisionPolicy::parse("bf16");
+  for (const auto& name : Registry::names()) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.options = Registry::required_options(name);
+    if (!Registry::create(name, config)->supports(policy)) continue;
+    config.precision = policy;
+    std::vector<torch::ScalarType> seen;
+    models::ModelConfig mc;
+    mc.kind = models::ModelKind::custom;
+    torch::manual_seed(0);
+    std::vector<std::shared_ptr<models::Block>> blocks{std::make_shared<DtypeProbe>(4, 8, &seen),
+                                                       std::make_shared<DtypeProbe>(8, 8, &seen),
+                                                       std::make_shared<DtypeProbe>(8, 8, &seen),
+                                                       std::make_shared<DtypeProbe>(8, 3, &seen)};
+    auto s = Registry::create(name, config);
+    s->attach(models::BlockModel(mc, blocks));
+    models::Batch batch{torch::randn({4, 4}), torch::tensor({0, 1, 2, 0})};
+    s->train_step(batch);
+    s->optimizer_step();
+    ASSERT_FALSE(seen.empty()) << name;
+    for (auto dtype : seen) EXPECT_EQ(dtype, torch::kBFloat16) << name;
+    for (const auto& [p, t] : s->parameters()) EXPECT_EQ(t.scalar_type(), torch::kFloat) << name << " " << p;
+  }
+}
+
+// Every strategy that trains in bf16 matches the float64 reference within bf16's bounds, on the
+// tiny presets (tied and untied).
+TEST(Precision, strategies_that_train_in_bf16_match_the_reference_within_its_bounds) {
+  const auto policy = PrecisionPolicy::parse("bf16");
+  int checked = 0;
+  for (const auto& name : Registry::names()) {
+    StrategyConfig probe;
+    probe.device = test::device();
+    probe.options = Registry::required_options(name);
+    if (!Registry::create(name, probe)->supports(policy)) continue;
+    for (const auto* preset : {"gpt-tiny", "mlp-tiny", "mlp-tied-tiny", "bert-tiny"}) {
+      correctness::ParityCase c;
+      c.model = models::preset(preset).config;
+      c.precision = policy;
+      const auto r = correctness::check_parity(name, c, test::device());
+      EXPECT_TRUE(r.ok) << name << " " << c.to_string() << ": " << r.message;
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 2) << "baseline and baseline_checkpoint at least";
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,191 @@
+#include "strategies/precision.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "models/check.h"
+
+namespace strata {
+
+std::string dtype_name(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat: return "fp32";
+    case torch::kBFloat16: return "bf16";
+    case torch::kHalf: return "fp16";
+    default: STRATA_FAIL("dtype " << dtype << " is not a training precision; use fp32, bf16 or fp16");
+  }
+}
+
+torch::ScalarType parse_dtype(const std::string& name) {
+  if (name == "fp32" || name == "float32") return torch::kFloat;
+  if (name == "bf16" || name == "bfloat16") return torch::kBFloat16;
+  if (name == "fp16" || name == "float16") return torch::kHalf;
+  STRATA_FAIL("precision dtype '" << name << "' is not known; use fp32, bf16 or fp16");
+}
+
+double unit_roundoff(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat: return std::ldexp(1.0, -24);
+    case torch::kBFloat16: return std::ldexp(1.0, -8);
+    case torch::kHalf: return std::ldexp(1.0, -11);
+    case torch::kDouble: return std::ldexp(1.0, -53);
+    default: STRATA_FAIL("dtype " << dtype << " has no unit roundoff here");
+  }
+}
+
+void check_precision_on(const PrecisionPolicy& policy, const torch::Device& device) {
+  if (!device.is_cpu() || policy.compute != torch::kHalf) return;
+  static const bool cpu_has_fp16_products = [] {
+    try {
+      auto a = torch::ones({2, 2}, torch::kHalf);
+      (void)torch::matmul(a, a);
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  STRATA_CHECK(cpu_has_fp16_products, "precision " << policy.to_string() << " on " << device
+                                                   << ": this LibTorch has no fp16 matrix products on the CPU; "
+                                                      "use bf16 there, or fp16 on a CUDA device");
+}
+
+PrecisionPolicy PrecisionPolicy::parse(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) items.push_back(item);
+  STRATA_CHECK(!items.empty() && !items[0].empty() && items[0].find('=') == std::string::npos,
+               "precision '" << text << "' must start with fp32, bf16 or fp16 (e.g. bf16,reduce=fp32)");
+  PrecisionPolicy p;
+  p.compute = p.transfer = parse_dtype(items[0]);
+  for (size_t i = 1; i < items.size(); ++i) {
+    const auto eq = items[i].find('=');
+    STRATA_CHECK(eq != std::string::npos && eq > 0,
+                 "precision '" << text << "': '" << items[i] << "' is not key=value (transfer, reduce, scale, growth)");
+    const auto key = items[i].substr(0, eq), value = items[i].substr(eq + 1);
+    if (key == "transfer") {
+      p.transfer = parse_dtype(value);
+    } else if (key == "reduce") {
+      p.reduce = parse_dtype(value);
+    } else if (key == "scale" || key == "growth") {
+      char* end = nullptr;
+      const double v = std::strtod(value.c_str(), &end);
+      STRATA_CHECK(!value.empty() && end && *end == '\0' && std::isfinite(v),
+                   "precision '" << text << "': " << key << "='" << value << "' is not a number");
+      if (key == "scale") {
+        p.initial_scale = v;
+      } else {
+        STRATA_CHECK(v == std::floor(v) && v >= 1 && v <= 1e12,
+                     "precision '" << text << "': growth='" << value << "' must be a whole number of steps, at least 1");
+        p.scale_growth_interval = static_cast<int64_t>(v);
+      }
+    } else {
+      STRATA_FAIL("precision '" << text << "': unknown key '" << key << "'; known: transfer, reduce, scale, growth");
+    }
+  }
+  p.validate();
+  return p;
+}
+
+void PrecisionPolicy::validate() const {
+  const auto c = dtype_name(compute), t = dtype_name(transfer), r = dtype_name(reduce);
+  STRATA_CHECK(transfer == compute || transfer == torch::kFloat,
+               "precision: transfer=" << t << " with compute=" << c << " makes no sense: parameters travel in the "
+                                      << "compute dtype or in fp32 (transfer=" << c << " or transfer=fp32)");
+  STRATA_CHECK(reduce == compute || reduce == torch::kFloat,
+               "precision: reduce=" << r << " with compute=" << c << " makes no sense: gradients are summed in the "
+                                    << "compute dtype or in fp32 (reduce=" << c << " or reduce=fp32)");
+  STRATA_CHECK(initial_scale > 0 && std::isfinite(initial_scale),
+               "precision: scale=" << initial_scale << " must be a positive number");
+  STRATA_CHECK(scale_growth_interval >= 1, "precision: growth=" << scale_growth_interval << " must be at least 1");
+}
+
+std::string PrecisionPolicy::to_string() const {
+  std::ostringstream out;
+  out << dtype_name(compute);
+  if (transfer != compute) out << ",transfer=" << dtype_name(transfer);
+  if (reduce != torch::kFloat) out << ",reduce=" << dtype_name(reduce);
+  const PrecisionPolicy defaults;
+  if (initial_scale != defaults.initial_scale) out << ",scale=" << initial_scale;
+  if (scale_growth_interval != defaults.scale_growth_interval) out << ",growth=" << scale_growth_interval;
+  return out.str();
+}
+
+torch::Tensor PrecisionPolicy::cast_input(const torch::Tensor& input) const {
+  // Under fp32 nothing is cast (a float64 reference model keeps its float64 inputs).
+  return compute != torch::kFloat && input.is_floating_point() && input.scalar_type() != compute ? input.to(compute)
+                                                                                                  : input;
+}
+
+// ---------------------------------------------------------------------------------------------
+ComputeCopies::ComputeCopies(const PrecisionPolicy& policy, std::vector<torch::Tensor> parameters)
+    : policy_(policy), parameters_(std::move(parameters)) {}
+
+void ComputeCopies::bind() {
+  if (policy_.compute == torch::kFloat || bound_) return;
+  torch::NoGradGuard no_grad;
+  masters_.clear();
+  master_grads_.clear();
+  for (auto& p : parameters_) {
+    masters_.push_back(p.data());
+    master_grads_.push_back(p.grad());
+    p.mutable_grad() = torch::Tensor();
+    // The copy rounds once from fp32, as the master would be rounded wherever it travels.
+    if (p.is_floating_point()) p.set_data(p.data().to(policy_.compute));
+  }
+  bound_ = true;
+}
+
+void ComputeCopies::unbind(bool keep_gradients) {
+  if (!bound_) return;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    auto& p = parameters_[i];
+    auto produced = p.grad();
+    p.mutable_grad() = torch::Tensor();
+    p.set_data(masters_[i]);
+    auto sum = master_grads_[i];
+    if (keep_gradients && produced.defined()) {
+      // Summed with what earlier steps accumulated in the reduction dtype, kept in fp32.
+      sum = sum.defined() ? (sum.to(policy_.reduce) + produced.to(policy_.reduce)).to(masters_[i].scalar_type())
+                          : produced.to(policy_.reduce).to(masters_[i].scalar_type());
+    }
+    if (sum.defined()) p.mutable_grad() = sum;
+  }
+  masters_.clear();
+  master_grads_.clear();
+  bound_ = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+LossScaler::LossScaler(const PrecisionPolicy& policy)
+    : enabled_(policy.scales_loss()),
+      scale_(policy.scales_loss() ? policy.initial_scale : 1.0),
+      interval_(policy.scale_growth_interval) {}
+
+bool LossScaler::unscale(const std::vector<torch::Tensor>& gradients) const {
+  if (!enabled_) return true;
+  torch::NoGradGuard no_grad;
+  bool finite = true;
+  for (const auto& g : gradients) {
+    if (!g.defined()) continue;
+    auto t = g;
+    t.div_(scale_);
+    finite = finite && torch::isfinite(t).all().item<bool>();
+  }
+  return finite;
+}
+
+void LossScaler::update(bool finite) {
+  if (!enabled_) return;
+  if (!finite) {
+    scale_ *= 0.5;
+    good_in_a_row_ = 0;
+    ++skipped_;
+  } else if (++good_in_a_row_ >= interval_) {
+    scale_ *= 2.0;
+    good_in_a_row_ = 0;
+  }
+}
+
+}  // namespace strata
