@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-runner job: build with CUDA, run the whole correctness suite (labels cpu, cuda, multigpu),
-# run the benchmark matrix and PyTorch's peers, write the report, and gate the run against the
+# run the benchmark matrix (fp32, and bf16 for the strategies that train in it) and PyTorch's peers,
+# write the reports, and gate the run against the
 # committed baseline for this GPU model (reports/baselines/<gpu>.json; thresholds in ci/gate.py and
 # bench/METRICS.md). The gate is also shown to pass on the run itself and to fail on a doctored
 # copy, so a broken gate cannot pass silently.
@@ -11,6 +12,7 @@
 # CMAKE_PREFIX_PATH; the LibTorch inside python3's torch is added when present.
 # Environment: STRATA_GPU_PHASES (default suite,bench: the test suite, then benchmarks, peers, report
 # and gate; either alone for a run split over two sessions of one build),
+# STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
 # (a machine without a committed baseline passes, and its report says so), STRATA_PEERS_MODEL (default
@@ -120,6 +122,26 @@ for extra in sys.argv[2:]:
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
 fi
+# bf16 compute over fp32 masters, for the strategies that train in it (the others refuse bf16 for
+# now; Precision.the_strategies_that_train_in_bf16_are_these lists them), on the same presets; the
+# cells are named [precision=bf16] and gated beside the fp32 ones.
+echo "ci/gpu.sh: bf16 cells"
+bf16=${STRATA_BF16_STRATEGIES:-baseline,baseline_checkpoint,manual_split,pipeline_1f1b,pipeline_gpipe,pipeline_interleaved,pipeline_zero_bubble}
+./build/cuda/bench/strata_bench --device=cuda:0 --precision=bf16 --strategies="$bf16" --benchmark_repetitions="$reps" \
+  ${STRATA_BENCH_ARGS:-} --benchmark_out="$outdir/bench-bf16.json" --benchmark_out_format=json > "$outdir/bench-bf16.txt" 2>&1 || status=1
+tail -n 3 "$outdir/bench-bf16.txt"
+bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-}"
+python3 - "$outdir/bench.json" "$outdir/bench-bf16.json" <<'PY' || status=1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
+PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
+  --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
+python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
+  --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16" || status=1
+
 offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
 echo "ci/gpu.sh: PyTorch peers"
 # A peer that fails (other than out of memory) or fails its parity check fails the job.

@@ -114,8 +114,13 @@ REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint",
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 
 
+def plain(strategy):
+    """A cell's strategy without its precision tag, for pairing strata with PyTorch's peers."""
+    return re.sub(r"\[precision=[^\]]*\]", "", strategy)
+
+
 def reference_speed(rs, peers, triad):
-    mine = {r["strategy"]: r for r in rs if r["source"] == "strata" and not r["failed"]}
+    mine = {plain(r["strategy"]): r for r in rs if r["source"] == "strata" and not r["failed"]}
     out = []
     pairs = [(a, b, t) for a, b, t in REFERENCE_PAIRS if a in mine and b in peers]
     if pairs:
@@ -180,7 +185,9 @@ def main():
         out.append(f"**{args.note}**\n")
     for model in models:
         rs = [r for r in rows if r["model"] == model]
-        base = {r["strategy"]: r for r in rs if r["source"] == "peer" and not r["failed"]}
+        # Peers by their plain names: a run under one precision pairs with peers under the same one
+        # ("torch_checkpoint[precision=bf16]" is the torch_checkpoint of a bf16 run).
+        base = {plain(r["strategy"]): r for r in rs if r["source"] == "peer" and not r["failed"]}
         out.append(f"\n## {model}\n")
         ran = [r for r in rs if not r["failed"]]
         # Allocator peaks exist on GPUs; on the CPU the strategies' own accounting of the parameter
