@@ -261,8 +261,10 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 // when train_step returns belong to backward, not to the optimizer step that follows. The step's
 // copies to the host are held behind a gate until train_step has returned, so one is in flight then
 // for certain (a delay alone was outrun by a GPU shared with a dozen other processes); once the
-// gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. mlp-tiny
-// is untied (copies only); the tied presets add a second gradient on the host.
+// gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. A
+// first step runs ungated: its one-time set-up (pinned host memory, library handles) may wait for
+// the whole device, and so for a held copy. mlp-tiny is untied (copies only); the tied presets add
+// a second gradient on the host.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
@@ -272,6 +274,9 @@ TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
       s->attach(models::build_model(config, 0));
       const auto batch = models::make_batch(config, 2, 1);
       const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch);
+      s->train_step(batch);
+      s->finish_backward();
+      s->optimizer_step();
       auto gate = std::make_shared<device::Gate>();
       s->hold_gradient_copies(gate);
       // Should train_step itself wait for a held copy, the gate opens after a while and the test
