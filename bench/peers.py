@@ -103,7 +103,8 @@ class GPT(nn.Module):
 
 
 # --precision: "fp32", or "bf16" for PyTorch's own mixed precision (autocast to bf16 over fp32
-# parameters, the loss in fp32 as autocast takes cross-entropy), the peer of strata's bf16 policy.
+# parameters; the loss inside autocast too, which takes cross-entropy in fp32 as strata does), the
+# peer of strata's bf16 policy.
 PRECISION = "fp32"
 
 
@@ -112,7 +113,7 @@ def forward_backward(model, idx, target, backward_ctx=None, vocab=None, scale=1.
     one); returns the loss."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
         out = model(idx)
-    loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
+        loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
     if backward_ctx:
         with backward_ctx():
             loss.backward()

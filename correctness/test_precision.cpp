@@ -51,9 +51,13 @@ TEST(Precision, a_strategy_without_the_policy_refuses_it_by_name) {
   StrategyConfig config;
   config.device = test::device();
   config.precision = PrecisionPolicy::parse("bf16");
-  const auto message = test::error_of([&] { (void)Registry::create("hook_offload", config); });
-  EXPECT_THAT(message, AllOf(HasSubstr("hook_offload"), HasSubstr("bf16"), HasSubstr("fp32 only")));
+  const auto message = test::error_of([&] { (void)Registry::create("sharded", config); });
+  EXPECT_THAT(message, AllOf(HasSubstr("sharded"), HasSubstr("does not train in precision bf16")));
   EXPECT_NO_THROW((void)Registry::create("baseline", config));
+  // hook_offload sums gradients on the host in fp32 only.
+  config.precision = PrecisionPolicy::parse("bf16,reduce=bf16");
+  EXPECT_THAT(test::error_of([&] { (void)Registry::create("hook_offload", config); }),
+              AllOf(HasSubstr("hook_offload"), HasSubstr("reduce=bf16")));
 }
 
 TEST(Precision, fp16_runs_where_the_device_has_it_and_is_refused_by_name_where_not) {
@@ -104,31 +108,62 @@ TEST(Precision, blocks_compute_in_bf16_over_fp32_masters) {
   EXPECT_LT(diff, 0.1 * largest);
 }
 
-TEST(Precision, compute_copies_sum_gradients_in_fp32_over_steps_and_restore_the_masters) {
-  auto p = torch::full({4}, 1.0f + 1.0f / 512, torch::TensorOptions().device(test::device())).requires_grad_();
-  const auto master = p.data();
-  ComputeCopies copies(PrecisionPolicy::parse("bf16"), {p});
-  for (int step = 0; step < 2; ++step) {
-    ComputeCopies::Scope bound(copies);
-    EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
-    EXPECT_EQ(p.data()[0].item<float>(), 1.0f);  // 1 + 2^-9 rounds to 1 in bf16 (8 significant bits)
-    (p * 3).sum().backward();
+// Two steps' gradients, 1 and 2^-9: their sum is exact in fp32 and rounds to 1 in bf16, so the
+// reduction dtype shows in the result.
+TEST(Precision, compute_copies_sum_gradients_in_the_reduction_dtype_and_restore_the_masters) {
+  for (const auto* text : {"bf16", "bf16,reduce=bf16"}) {
+    const auto policy = PrecisionPolicy::parse(text);
+    auto p = torch::full({4}, 1.0f + 1.0f / 512, torch::TensorOptions().device(test::device())).requires_grad_();
+    const auto master = p.data();
+    ComputeCopies copies(policy, {p});
+    for (const double g : {1.0, 1.0 / 512}) {
+      ComputeCopies::Scope bound(copies);
+      EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(p.data()[0].item<float>(), 1.0f);  // 1 + 2^-9 rounds to 1 in bf16 (8 significant bits)
+      (p * g).sum().backward();
+      bound.commit();
+    }
+    EXPECT_EQ(p.scalar_type(), torch::kFloat);
+    EXPECT_EQ(p.data_ptr(), master.data_ptr()) << "the fp32 master was not put back";
+    EXPECT_EQ(p.data()[0].item<float>(), 1.0f + 1.0f / 512);
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+    EXPECT_EQ(p.grad()[0].item<float>(), policy.reduce == torch::kFloat ? 1.0f + 1.0f / 512 : 1.0f) << text;
+    // A step that throws leaves the masters and the earlier gradients as they were.
+    const float before = p.grad()[0].item<float>();
+    try {
+      ComputeCopies::Scope bound(copies);
+      (p * 5).sum().backward();
+      throw std::runtime_error("step failed");
+    } catch (const std::runtime_error&) {
+    }
+    EXPECT_EQ(p.scalar_type(), torch::kFloat);
+    EXPECT_EQ(p.data_ptr(), master.data_ptr());
+    EXPECT_EQ(p.grad()[0].item<float>(), before) << text;
   }
-  EXPECT_EQ(p.scalar_type(), torch::kFloat);
-  EXPECT_EQ(p.data_ptr(), master.data_ptr()) << "the fp32 master was not put back";
-  EXPECT_EQ(p.data()[0].item<float>(), 1.0f + 1.0f / 512);
-  ASSERT_TRUE(p.grad().defined());
-  EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
-  EXPECT_EQ(p.grad()[0].item<float>(), 6.0f);
-  // A step that throws leaves the masters and the earlier gradients as they were.
-  try {
-    ComputeCopies::Scope bound(copies);
-    (p * 5).sum().backward();
-    throw std::runtime_error("step failed");
-  } catch (const std::runtime_error&) {
+}
+
+// A model with floating-point buffers (a BatchNorm's running statistics) under bf16 is refused by
+// every strategy that trains in bf16, naming the buffer (it would otherwise fail inside LibTorch on
+// mixed dtypes); in fp32 it trains.
+TEST(Precision, a_model_with_floating_buffers_is_refused_in_bf16_by_name) {
+  const auto chain = correctness::ChainSpec::parse("chain(in=3 width=4 classes=3 blocks=lin,bn)");
+  for (const auto& name : Registry::names()) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.options = Registry::required_options(name);
+    const auto bf16 = PrecisionPolicy::parse("bf16");
+    if (!Registry::create(name, config)->supports(bf16)) continue;
+    config.precision = bf16;
+    auto s = Registry::create(name, config);
+    EXPECT_THAT(test::error_of([&] { s->attach(chain.build(0)); }),
+                AllOf(HasSubstr(name), HasSubstr("running_mean"), HasSubstr("bf16")))
+        << name;
   }
-  EXPECT_EQ(p.scalar_type(), torch::kFloat);
-  EXPECT_EQ(p.grad()[0].item<float>(), 6.0f);
+  correctness::ParityCase c;
+  c.chain = chain;
+  c.batch_size = 4;
+  EXPECT_TRUE(correctness::check_parity("baseline", c, test::device()).ok);
 }
 
 TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_and_grows_it_back) {
@@ -155,31 +190,46 @@ TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_a
 }
 
 // fp16 with a loss scale so large that the gradients overflow: the step is skipped (parameters
-// unchanged), the scale halves, and a later step with a sane scale trains.
+// unchanged), the scale halves; at a sane scale the next step trains. Every strategy that trains in
+// fp16; on a CPU without fp16 products each refuses it (checked by name above).
 TEST(Precision, an_fp16_step_that_overflows_is_skipped_and_the_scale_lowered) {
-  StrategyConfig config;
-  config.device = test::device();
-  config.optimizer.lr = 0.1;
-  config.precision = PrecisionPolicy::parse("fp16,scale=1e30");
-  std::unique_ptr<Strategy> s;
-  try {
-    s = Registry::create("baseline", config);
-  } catch (const Error& e) {
-    // No fp16 on this device (the test above checks the refusal); the scaler's logic is checked
-    // on every device by the test before this one.
-    ASSERT_TRUE(config.device.is_cpu()) << e.what();
-    EXPECT_THAT(e.what(), HasSubstr("fp16"));
-    return;
+  for (const auto* name : {"baseline", "manual_split", "pipeline_1f1b", "hook_offload"}) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.optimizer.lr = 0.1;
+    config.precision = PrecisionPolicy::parse("fp16,scale=1e30");
+    std::unique_ptr<Strategy> s;
+    try {
+      s = Registry::create(name, config);
+    } catch (const Error& e) {
+      ASSERT_TRUE(config.device.is_cpu()) << name << ": " << e.what();
+      EXPECT_THAT(e.what(), HasSubstr("fp16")) << name;
+      continue;
+    }
+    const auto model_config = models::preset("gpt-tiny").config;
+    s->attach(models::build_model(model_config, 0));
+    const auto batch = models::make_batch(model_config, 2, 1);
+    const auto before = s->parameters();
+    s->train_step(batch);
+    s->optimizer_step();
+    const auto after = s->parameters();
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << name << " " << before[i].first;
+    EXPECT_EQ(s->stats().skipped_steps, 1) << name;
+    EXPECT_EQ(s->stats().loss_scale, 5e29) << name;
+    // Halve the scale until a step stays finite (1e30 / 2^k): the first such step trains.
+    int skipped = 1;
+    while (skipped < 120 && s->stats().skipped_steps == skipped) {
+      s->train_step(batch);
+      s->optimizer_step();
+      if (s->stats().skipped_steps == skipped) break;
+      skipped = static_cast<int>(s->stats().skipped_steps);
+    }
+    const auto trained = s->parameters();
+    bool moved = false;
+    for (size_t i = 0; i < before.size(); ++i) moved = moved || !torch::equal(before[i].second, trained[i].second);
+    EXPECT_TRUE(moved) << name << ": no step trained after " << skipped << " skipped";
   }
-  const auto model_config = models::preset("gpt-tiny").config;
-  s->attach(models::build_model(model_config, 0));
-  const auto before = s->parameters();
-  s->train_step(models::make_batch(model_config, 2, 1));
-  s->optimizer_step();
-  const auto after = s->parameters();
-  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
-  EXPECT_EQ(s->stats().skipped_steps, 1);
-  EXPECT_EQ(s->stats().loss_scale, 5e29);
 }
 
 // Which strategies train under a bf16 policy today; the others refuse it (the test above).
@@ -192,9 +242,37 @@ TEST(Precision, the_strategies_that_train_in_bf16_are_these) {
     probe.options = Registry::required_options(name);
     if (Registry::create(name, probe)->supports(policy)) supporting.push_back(name);
   }
-  EXPECT_THAT(supporting, ::testing::ElementsAre("baseline", "baseline_checkpoint", "manual_split", "pipeline_1f1b",
-                                                 "pipeline_custom", "pipeline_gpipe", "pipeline_interleaved",
-                                                 "pipeline_zero_bubble"));
+  EXPECT_THAT(supporting, ::testing::ElementsAre("baseline", "baseline_checkpoint", "hook_offload",
+                                                 "hook_offload_overlap", "hook_offload_sync", "manual_split",
+                                                 "pipeline_1f1b", "pipeline_custom", "pipeline_gpipe",
+                                                 "pipeline_interleaved", "pipeline_zero_bubble"));
+}
+
+// hook_offload streams the weights in the transfer dtype: under bf16 half the bytes of fp32 a step
+// (the batch aside), the same as fp32 with transfer=fp32; gradients come back in fp32 either way.
+TEST(Precision, hook_offload_streams_half_the_bytes_in_bf16) {
+  const auto model_config = models::preset("gpt-tiny").config;
+  const auto batch = models::make_batch(model_config, 2, 1);
+  const int64_t batch_bytes = batch.input.nbytes() + batch.target.nbytes();
+  auto bytes = [&](const std::string& precision) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.precision = PrecisionPolicy::parse(precision);
+    auto s = Registry::create("hook_offload", config);
+    s->attach(models::build_model(model_config, 0));
+    s->train_step(batch);
+    s->optimizer_step();
+    s->reset_stats();
+    s->train_step(batch);
+    s->finish_backward();
+    const auto st = s->stats();
+    return std::make_pair(st.bytes_h2d - batch_bytes, st.bytes_d2h);
+  };
+  const auto fp32 = bytes("fp32"), bf16 = bytes("bf16"), bf16_fp32_transfer = bytes("bf16,transfer=fp32");
+  ASSERT_GT(fp32.first, 0);
+  EXPECT_EQ(2 * bf16.first, fp32.first);
+  EXPECT_EQ(bf16_fp32_transfer.first, fp32.first);
+  EXPECT_EQ(bf16.second, fp32.second);
 }
 
 // A block that records the dtypes it computes with: its weight's and its input's.
@@ -241,6 +319,47 @@ TEST(Precision, every_supporting_strategy_computes_in_bf16_and_passes_bf16_activ
     ASSERT_FALSE(seen.empty()) << name;
     for (auto dtype : seen) EXPECT_EQ(dtype, torch::kBFloat16) << name;
     for (const auto& [p, t] : s->parameters()) EXPECT_EQ(t.scalar_type(), torch::kFloat) << name << " " << p;
+  }
+}
+
+// After training steps, a strategy computes with the bf16 casts of its own fp32 masters: its
+// forward output equals, bit for bit, that of a bf16 baseline given those masters. Parity alone
+// cannot see a strategy that computes with stale weights (one optimizer step moves a weight by
+// about what bf16 rounds away), this does.
+TEST(Precision, after_steps_a_strategy_computes_with_the_casts_of_its_own_masters) {
+  const auto policy = PrecisionPolicy::parse("bf16");
+  const auto model_config = models::preset("gpt-tiny").config;
+  const auto batch = models::make_batch(model_config, 2, 3);
+  for (const auto& name : Registry::names()) {
+    StrategyConfig config;
+    config.device = test::device();
+    config.optimizer.kind = OptimizerKind::adamw;
+    config.optimizer.lr = 1e-3;
+    config.options = Registry::required_options(name);
+    if (!Registry::create(name, config)->supports(policy)) continue;
+    config.precision = policy;
+    auto s = Registry::create(name, config);
+    s->attach(models::build_model(model_config, 0));
+    for (int step = 0; step < 2; ++step) {
+      s->train_step(models::make_batch(model_config, 2, 10 + step));
+      s->optimizer_step();
+    }
+    // The baseline, loaded with the strategy's masters.
+    auto reference_model = models::build_model(model_config, 0);
+    const auto masters = s->parameters();
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < masters.size(); ++i) reference_model.parameters()[i].tensor.copy_(masters[i].second);
+    }
+    StrategyConfig base = config;
+    base.options.clear();
+    auto b = Registry::create("baseline", base);
+    b->attach(std::move(reference_model));
+    const auto mine = s->forward(batch.input).to(torch::kCPU, torch::kFloat);
+    const auto theirs = b->forward(batch.input).to(torch::kCPU, torch::kFloat);
+    EXPECT_TRUE(torch::equal(mine, theirs))
+        << name << ": max |difference| " << (mine - theirs).abs().max().item<double>() << " of outputs up to "
+        << theirs.abs().max().item<double>();
   }
 }
 

@@ -115,8 +115,12 @@ HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m
 
 
 def plain(strategy):
-    """A cell's strategy without its precision tag, for pairing strata with PyTorch's peers."""
-    return re.sub(r"\[precision=[^\]]*\]", "", strategy)
+    """A cell's strategy without its precision option, for pairing strata with PyTorch's peers of
+    the same run ("baseline[precision=bf16]" -> "baseline", "x[a=1;precision=bf16]" -> "x[a=1]")."""
+    def drop(m):
+        items = [i for i in m.group(1).split(";") if not i.startswith("precision=")]
+        return f"[{';'.join(items)}]" if items else ""
+    return re.sub(r"\[([^\]]*)\]", drop, strategy)
 
 
 def reference_speed(rs, peers, triad):

@@ -50,6 +50,15 @@ void check_precision_on(const PrecisionPolicy& policy, const torch::Device& devi
                                                       "use bf16 there, or fp16 on a CUDA device");
 }
 
+void check_buffers_under(const PrecisionPolicy& policy, const models::BlockModel& model, const std::string& strategy) {
+  if (policy.is_fp32()) return;
+  for (const auto& b : model.buffers())
+    STRATA_CHECK(!b.tensor.is_floating_point(),
+                 strategy << ": precision " << policy.to_string() << " with the floating-point buffer '" << b.name
+                          << "' (block " << b.owner_block << "): models with such buffers (BatchNorm's running "
+                          << "statistics) train in fp32 only for now");
+}
+
 PrecisionPolicy PrecisionPolicy::parse(const std::string& text) {
   std::vector<std::string> items;
   std::stringstream in(text);
@@ -126,12 +135,16 @@ void ComputeCopies::bind() {
   torch::NoGradGuard no_grad;
   masters_.clear();
   master_grads_.clear();
-  for (auto& p : parameters_) {
+  // The copies first (an allocation may fail): nothing is swapped until every copy exists.
+  std::vector<torch::Tensor> copies;
+  for (auto& p : parameters_) copies.push_back(p.is_floating_point() ? p.data().to(policy_.compute) : p.data());
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    auto& p = parameters_[i];
     masters_.push_back(p.data());
     master_grads_.push_back(p.grad());
     p.mutable_grad() = torch::Tensor();
     // The copy rounds once from fp32, as the master would be rounded wherever it travels.
-    if (p.is_floating_point()) p.set_data(p.data().to(policy_.compute));
+    p.set_data(copies[i]);
   }
   bound_ = true;
 }
@@ -139,22 +152,29 @@ void ComputeCopies::bind() {
 void ComputeCopies::unbind(bool keep_gradients) {
   if (!bound_) return;
   torch::NoGradGuard no_grad;
+  // The masters and their earlier gradients go back first, without allocating; then the step's
+  // gradients are added (which allocates, and may throw: the masters are in place by then).
+  std::vector<torch::Tensor> produced;
   for (size_t i = 0; i < parameters_.size(); ++i) {
     auto& p = parameters_[i];
-    auto produced = p.grad();
-    p.mutable_grad() = torch::Tensor();
+    produced.push_back(p.grad());
     p.set_data(masters_[i]);
-    auto sum = master_grads_[i];
-    if (keep_gradients && produced.defined()) {
-      // Summed with what earlier steps accumulated in the reduction dtype, kept in fp32.
-      sum = sum.defined() ? (sum.to(policy_.reduce) + produced.to(policy_.reduce)).to(masters_[i].scalar_type())
-                          : produced.to(policy_.reduce).to(masters_[i].scalar_type());
-    }
-    if (sum.defined()) p.mutable_grad() = sum;
+    p.mutable_grad() = master_grads_[i];
   }
+  const auto masters = std::move(masters_);
   masters_.clear();
   master_grads_.clear();
   bound_ = false;
+  if (!keep_gradients) return;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!produced[i].defined()) continue;
+    auto& p = parameters_[i];
+    const auto& earlier = p.grad();
+    // Summed with what earlier steps accumulated, in the reduction dtype; kept in the master's.
+    p.mutable_grad() = earlier.defined()
+                           ? (earlier.to(policy_.reduce) + produced[i].to(policy_.reduce)).to(masters[i].scalar_type())
+                           : produced[i].to(policy_.reduce).to(masters[i].scalar_type());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "models/model.h"
+
 namespace strata {
 
 /// The precision a strategy trains in. fp32 everywhere is the default and changes nothing.
@@ -43,6 +45,11 @@ struct PrecisionPolicy {
 /// fp16 matrix products, as Debian's 1.13).
 void check_precision_on(const PrecisionPolicy& policy, const torch::Device& device);
 
+/// Refuses, naming the first such buffer, a model with floating-point buffers (a BatchNorm's
+/// running statistics) under a policy other than fp32: blocks would meet compute-dtype weights
+/// beside fp32 statistics, and casting the statistics would lose what they accumulate.
+void check_buffers_under(const PrecisionPolicy& policy, const models::BlockModel& model, const std::string& strategy);
+
 /// "fp32", "bf16", "fp16"; parse_dtype() reads them back (and float32, bfloat16, float16).
 std::string dtype_name(torch::ScalarType dtype);
 torch::ScalarType parse_dtype(const std::string& name);
@@ -64,17 +71,24 @@ class ComputeCopies {
   void unbind(bool keep_gradients = true);
   bool bound() const { return bound_; }
 
-  /// bind() for a scope; unbinds on the way out, dropping the gradients if the scope threw.
+  /// bind() for a scope. commit() unbinds keeping the step's gradients (and may throw, e.g. out
+  /// of memory, as any step may); a scope left without it (an error on the way) unbinds dropping
+  /// them, and never throws from its destructor.
   class Scope {
    public:
     explicit Scope(ComputeCopies& copies) : copies_(copies) { copies_.bind(); }
-    ~Scope() { copies_.unbind(/*keep_gradients=*/std::uncaught_exceptions() == entry_exceptions_); }
+    void commit() { copies_.unbind(/*keep_gradients=*/true); }
+    ~Scope() {
+      try {
+        copies_.unbind(/*keep_gradients=*/false);  // nothing left to do after commit()
+      } catch (...) {
+      }
+    }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
    private:
     ComputeCopies& copies_;
-    int entry_exceptions_ = std::uncaught_exceptions();
   };
 
  private:

@@ -47,7 +47,7 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   auto strategy = found->second.factory(config);
   STRATA_CHECK(strategy->supports(config.precision), "strategy '" << name << "' does not train in precision "
                                                                  << config.precision.to_string()
-                                                                 << " yet; it runs in fp32 only");
+                                                                 << " (yet); README.md, 'Precision', says what each supports");
   return strategy;
 }
 

@@ -27,6 +27,7 @@ models::BlockModel& Baseline::model() {
 }
 
 void Baseline::attach_model(models::BlockModel model) {
+  check_buffers_under(config_.precision, model, name_);
   // Module::to() swaps each parameter's (and buffer's) data in place, so a tied parameter stays one
   // tensor.
   for (const auto& block : model.blocks()) block->to(config_.device);
@@ -55,6 +56,7 @@ double Baseline::train_step(const models::Batch& batch) {
   ComputeCopies::Scope bound(copies_);  // the blocks compute in the policy's dtype until backward is done
   auto loss = m.loss(run_blocks(input, options_.checkpoint), target);
   (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
+  bound.commit();
   return loss.item<double>();
 }
 

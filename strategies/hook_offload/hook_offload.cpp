@@ -48,7 +48,9 @@ struct HookOffload::Unit {
   int64_t bytes = 0;
   int64_t trainable_numel = 0;  ///< the leading elements that train; the rest are frozen
   int users = 0;                ///< blocks whose window holds this unit
-  torch::Tensor host_param;
+  torch::Tensor host_param;     ///< fp32 master
+  torch::Tensor host_travel;    ///< the master in the transfer dtype; undefined when that is fp32
+  int64_t travel_bytes = 0;     ///< bytes of one fetch to the device
   torch::Tensor host_grad;      ///< trainable_numel elements; undefined for a unit that is all frozen
   torch::Tensor device_flat;    ///< parameters are views of it; its storage is released when unheld
   int references = 0;
@@ -64,7 +66,16 @@ HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOff
       options_(std::move(options)),
       compute_(device::Stream::compute(config.device)),
       h2d_(device::Stream::side(config.device)),
-      d2h_(device::Stream::side(config.device)) {}
+      d2h_(device::Stream::side(config.device)),
+      scaler_(config.precision) {}
+
+bool HookOffload::supports(const PrecisionPolicy& policy) const {
+  return policy.reduce == torch::kFloat && !(policy.scales_loss() && options_.overlap_optimizer);
+}
+
+const torch::Tensor& HookOffload::travelling(const Unit& unit) const {
+  return unit.host_travel.defined() ? unit.host_travel : unit.host_param;
+}
 
 HookOffload::~HookOffload() {
   // Queued copies reference host and device buffers: let them finish first.
@@ -96,6 +107,7 @@ bool HookOffload::recompute_block(int64_t block) const {
 }
 
 void HookOffload::attach_model(models::BlockModel model) {
+  check_buffers_under(config_.precision, model, name_);
   options_.validate_for(model.num_blocks());
   const auto& params = model.parameters();
   auto plan = plan_units(model);
@@ -108,7 +120,8 @@ void HookOffload::attach_model(models::BlockModel model) {
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
-  const auto dev_options = torch::TensorOptions().dtype(torch::kFloat).device(config_.device);
+  const auto& precision = config_.precision;
+  const auto dev_options = torch::TensorOptions().dtype(precision.compute).device(config_.device);
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = units_[u];
     for (auto p : unit.params) {
@@ -119,7 +132,8 @@ void HookOffload::attach_model(models::BlockModel model) {
       unit.numel += params[p].tensor.numel();
       if (params[p].tensor.requires_grad()) unit.trainable_numel = unit.numel;
     }
-    unit.bytes = unit.numel * static_cast<int64_t>(sizeof(float));
+    unit.bytes = unit.numel * static_cast<int64_t>(c10::elementSize(precision.compute));  // on the device
+    unit.travel_bytes = unit.numel * static_cast<int64_t>(c10::elementSize(precision.transfer));
     unit.host_param = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
     if (unit.trainable_numel > 0)
       unit.host_grad = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
@@ -130,6 +144,10 @@ void HookOffload::attach_model(models::BlockModel model) {
       unit.host_param.narrow(0, offset, t.numel()).copy_(t.detach().reshape({-1}));
       t.set_data(unit.device_flat.narrow(0, offset, t.numel()).view(t.sizes()));
     }
+    if (precision.transfer != torch::kFloat) {
+      unit.host_travel = device::host_buffer({unit.numel}, precision.transfer, config_.device);
+      unit.host_travel.copy_(unit.host_param);
+    }
     compat::release_storage(unit.device_flat.storage());
   }
   // Buffers move to the device once and stay (Module::to semantics: the same tensor, new data).
@@ -137,7 +155,7 @@ void HookOffload::attach_model(models::BlockModel model) {
   held_.assign(windows_.size(), false);
   kept_.assign(windows_.size(), {});
   permanent_.assign(windows_.size(), false);
-  anchor_ = torch::empty({0}, dev_options).requires_grad_(true);
+  anchor_ = torch::empty({0}, torch::TensorOptions().dtype(torch::kFloat).device(config_.device)).requires_grad_(true);
   model_.emplace(std::move(model));
   for (auto b : options_.resident) {
     if (permanent_[b]) continue;
@@ -164,10 +182,10 @@ void HookOffload::acquire(Unit& unit) {
       unit.device_flat.fill_(std::numeric_limits<float>::quiet_NaN());
     }
   }
-  h2d_.copy(unit.device_flat, unit.host_param);
+  h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
   unit.loaded = h2d_.record();
   unit.references = 1;  // counted only once the memory exists (an allocation may throw)
-  bytes_h2d_ += unit.bytes;
+  bytes_h2d_ += unit.travel_bytes;
   resident_bytes_ += unit.bytes;
   peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
 }
@@ -263,7 +281,9 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options()));
     }
     // A fresh autograd result, read by the copy only; marked in use by the copy stream below.
+    // Gradients return in the reduction dtype (fp32): compute-dtype ones are widened first.
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
+    if (flat.scalar_type() != torch::kFloat) flat = flat.to(torch::kFloat);
     auto produced = compute_.record();
     d2h_.wait(produced);
     d2h_.keep_alive(flat);
@@ -335,13 +355,13 @@ double HookOffload::train_step(const models::Batch& batch) {
     }
   };
   try {
-    auto x = batch.input.to(config_.device);
+    auto x = config_.precision.cast_input(batch.input.to(config_.device));
     auto target = batch.target.to(config_.device);
     bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
     for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
     auto loss = m.loss(x, target);
     x = torch::Tensor();
-    loss.backward();
+    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
     clean_up(false);
     return loss.item<double>();
   } catch (...) {
@@ -355,7 +375,7 @@ torch::Tensor HookOffload::forward(const torch::Tensor& input) {
   finish_pending();
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
-  auto x = input.to(config_.device);
+  auto x = config_.precision.cast_input(input.to(config_.device));
   for (int64_t b = 0; b < m.num_blocks(); ++b) {
     before_compute(b, /*backward=*/false);
     x = m.blocks()[b]->forward(x);
@@ -369,8 +389,14 @@ void HookOffload::optimizer_step() {
   finish_pending();
   h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
   if (!options_.overlap_optimizer) {
+    // fp16: the gradients carry the loss scale; a step with an inf or nan in any is skipped.
+    std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
-      if (unit.grad_filled) update_on_host(unit);
+      if (unit.grad_filled) grads.push_back(unit.host_grad);
+    const bool finite = scaler_.unscale(grads);
+    scaler_.update(finite);
+    for (auto& unit : units_)
+      if (unit.grad_filled && finite) update_on_host(unit);
   }
   step_in_flight_ = false;
   for (auto& unit : units_) unit.grad_filled = false;
@@ -379,15 +405,19 @@ void HookOffload::optimizer_step() {
   h2d_.wait(compute_.record());
   for (auto& unit : units_) {
     if (unit.references == 0) continue;
-    h2d_.copy(unit.device_flat, unit.host_param);
+    h2d_.copy(unit.device_flat, travelling(unit));
     unit.loaded = h2d_.record();
-    bytes_h2d_ += unit.bytes;
+    bytes_h2d_ += unit.travel_bytes;
   }
 }
 
 void HookOffload::update_on_host(Unit& unit) {
   auto trainable = unit.host_param.narrow(0, 0, unit.trainable_numel);
   optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer);
+  if (unit.host_travel.defined()) {
+    torch::NoGradGuard no_grad;
+    unit.host_travel.narrow(0, 0, unit.trainable_numel).copy_(trainable);
+  }
 }
 
 torch::Tensor HookOffload::host_copy(size_t p, const torch::Tensor& host_flat) const {
@@ -403,7 +433,8 @@ NamedTensors HookOffload::gradients() {
   for (size_t p = 0; p < params.size(); ++p) {
     const auto& unit = units_[param_slot_[p].first];
     const bool has = unit.grad_filled && params[p].tensor.requires_grad();
-    out.emplace_back(params[p].name, has ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes()));
+    auto g = has ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes());
+    out.emplace_back(params[p].name, scaler_.enabled() ? g / scaler_.scale() : g);  // unscaled: what the step applies
   }
   return out;
 }
@@ -437,6 +468,8 @@ Stats HookOffload::stats() {
   Stats s;
   s.bytes_h2d = bytes_h2d_;
   s.bytes_d2h = bytes_d2h_;
+  s.loss_scale = scaler_.scale();
+  s.skipped_steps = scaler_.skipped_steps();
   auto& mem = s.devices[config_.device.str()];
   mem.resident_param_bytes = resident_bytes_;
   mem.peak_param_bytes = peak_bytes_;

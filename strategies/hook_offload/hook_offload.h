@@ -54,6 +54,12 @@ class HookOffload : public Strategy, public WindowedRunner {
   NamedTensors parameters() override;
   NamedTensors buffers() override;
   Stats stats() override;
+  /// bf16 or fp16 compute with gradients brought back and summed in fp32 (reduce=fp32): the
+  /// device windows hold compute-dtype weights, streamed from a host copy in the transfer dtype
+  /// (half the bytes of fp32 when transfer is the compute dtype), refreshed after each host update;
+  /// the host keeps fp32 masters and optimizer state. fp16's loss scaling needs every gradient
+  /// before any update, so not with overlap_optimizer=1.
+  bool supports(const PrecisionPolicy& policy) const override;
   void reset_stats() override;
 
   /// Offloaded parameter bytes on the device now (resident blocks not counted).
@@ -90,7 +96,10 @@ class HookOffload : public Strategy, public WindowedRunner {
   void prefetch_from(int64_t block, bool backward);
   void finish_pending();
   bool merged(int64_t block) const;
-  /// The unit's optimizer step over its trainable prefix, on the host.
+  /// What travels to the device for a unit: its host copy in the transfer dtype.
+  const torch::Tensor& travelling(const Unit& unit) const;
+  /// The unit's optimizer step over its trainable prefix, on the host (and its travelling copy
+  /// refreshed).
   void update_on_host(Unit& unit);
   /// A copy of parameter p's slice of its unit's flat host buffer (values or gradients), shaped.
   torch::Tensor host_copy(size_t p, const torch::Tensor& host_flat) const;
@@ -111,6 +120,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   device::HostQueue host_;
   device::Event last_copy_;  ///< after the latest gradient copy to the host
   std::shared_ptr<const device::Gate> copy_hold_;  ///< hold_gradient_copies, for the next step
+  LossScaler scaler_;
   std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held

@@ -120,6 +120,7 @@ models::BlockModel& ManualSplit::model() {
 }
 
 void ManualSplit::attach_model(models::BlockModel model) {
+  check_buffers_under(config_.precision, model, name_);
   const auto n = model.num_blocks();
   // Stage devices: the options' list, else the config's, else `stages` copies of the main device.
   if (!options_.devices.empty()) {
@@ -433,6 +434,7 @@ double ManualSplit::train_step(const models::Batch& batch) {
     ComputeCopies::Scope bound(copies_);  // the stages compute in the policy's dtype until backward is done
     run_blocks(config_.precision.cast_input(batch.input.to(devices_.front())), batch.target, &loss);
     (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
+    bound.commit();
   } catch (...) {
     for (auto& kept : kept_) kept = {};  // a failed step keeps no activations
     throw;

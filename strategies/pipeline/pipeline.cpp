@@ -267,6 +267,7 @@ void Pipeline::build_schedule(int64_t micro_batches) {
 }
 
 void Pipeline::attach_model(models::BlockModel model) {
+  check_buffers_under(config_.precision, model, name_);
   const auto n = model.num_blocks();
   // Ranks: the options' devices, else the config's, else `ranks` copies of the main device.
   std::vector<torch::Device> devices;
@@ -609,11 +610,13 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
   auto add_grads = [&](int64_t block, const std::vector<torch::Tensor>& g) {
     for (size_t k = 0; k < g.size(); ++k) {
       if (!g[k].defined()) continue;
+      // Micro-batches' gradients are summed in the reduction dtype (a no-op under fp32).
+      const auto gk = g[k].to(config_.precision.reduce);
       auto& sum = run.stage_grads[s][block_params_[block][k]];
       if (!sum.defined())
-        sum = g[k];
+        sum = gk;
       else
-        sum = sum + g[k];
+        sum = sum + gk;
     }
   };
 
@@ -735,6 +738,10 @@ double Pipeline::train_step(const models::Batch& batch) {
   run.losses.assign(static_cast<size_t>(mb), torch::Tensor());
   run.bytes.assign(rank_devices_.size(), 0);
   run.timed.assign(rank_devices_.size(), {});
+  // The stages compute in the policy's dtype while the actions run. Bound before the ranks'
+  // streams take their start from the compute stream (the casts are queued there), and unbound
+  // only once every device has finished with the copies.
+  ComputeCopies::Scope bound(copies_);
   // Each rank's stream starts after the work queued so far (the last step's updates).
   for (size_t r = 0; r < rank_devices_.size(); ++r)
     if (rank_devices_[r].is_cuda()) run.rank_stream[r].wait(device::Stream::compute(rank_devices_[r]).record());
@@ -745,8 +752,6 @@ double Pipeline::train_step(const models::Batch& batch) {
     if (!w) w = std::make_unique<device::HostQueue>();
     return *w;
   };
-  // The stages compute in the policy's dtype while the actions run (bound before any starts).
-  auto bound = std::make_unique<ComputeCopies::Scope>(copies_);
   std::vector<device::HostQueue*> busy;
   if (c10d_) {  // this process's rank, and a receiver per rank that sends it anything
     busy.push_back(&worker(my_rank_));
@@ -762,12 +767,12 @@ double Pipeline::train_step(const models::Batch& batch) {
     }
   }
   for (auto* w : busy) w->drain();  // run_rank and receive_from catch their own errors
-  bound.reset();
   if (c10d_) {
     device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
     finish_remote_step(run);
   }
   for (const auto& d : rank_devices_) device::synchronize(d);
+  bound.commit();  // the masters back: the sums below are taken in their dtype
   if (run.failed) throw Error(name_ + ": " + run.failure);
   if (options_.time_actions) record_costs(run);
 
