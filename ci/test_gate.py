@@ -38,13 +38,13 @@ def errored(name, message):
              "error_message": message}]
 
 
-def run(current, baseline, host_now="cpu-a", host_base="cpu-a"):
+def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0):
     with tempfile.TemporaryDirectory() as d:
         paths = []
-        for rows, host, tag in ((current, host_now, "now"), (baseline, host_base, "base")):
+        for rows, host, triad, tag in ((current, host_now, triad_now, "now"), (baseline, host_base, triad_base, "base")):
             p = os.path.join(d, tag + ".json")
             with open(p, "w") as f:
-                json.dump({"context": {"host_cpu": host}, "benchmarks": rows}, f)
+                json.dump({"context": {"host_cpu": host, "host_triad_GBps": str(triad)}, "benchmarks": rows}, f)
             paths.append(p)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -155,6 +155,16 @@ def gates_host_bound_cells_on_device_time_when_hosts_differ():
     slower_device = reps("h/m", 700, fwd_bwd_ms=120.0, host_bound=1)
     expect(*run(slower_device, base, host_now="cpu-b"), 1, "device time")
     expect(*run(slower_host, base), 1, "throughput 0.700")  # same host: the whole step counts
+
+
+@case
+def tells_hosts_of_one_cpu_model_apart_by_their_measured_triad():
+    # One CPU model string, host triads of 59.8 and 88.8 GB/s (seen on one day): another class.
+    base = reps("h/m", 1000, fwd_bwd_ms=100.0, host_bound=1)
+    slower_host = reps("h/m", 700, fwd_bwd_ms=100.0, host_bound=1)
+    expect(*run(slower_host, base, triad_now=59.8, triad_base=88.8), 0, "fwd_bwd_ms")
+    # Triads within 10%: the same class, the whole step is gated.
+    expect(*run(slower_host, base, triad_now=85.0, triad_base=88.8), 1, "throughput 0.700")
 
 
 @case
