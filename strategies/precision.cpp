@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 
 #include "models/check.h"
@@ -186,13 +187,17 @@ LossScaler::LossScaler(const PrecisionPolicy& policy)
 bool LossScaler::unscale(const std::vector<torch::Tensor>& gradients) const {
   if (!enabled_) return true;
   torch::NoGradGuard no_grad;
-  bool finite = true;
+  // One host synchronisation per device, not one per tensor: the flags stay on their device until
+  // they are all queued.
+  std::map<std::string, std::vector<torch::Tensor>> finite_by_device;
   for (const auto& g : gradients) {
     if (!g.defined()) continue;
     auto t = g;
     t.div_(scale_);
-    finite = finite && torch::isfinite(t).all().item<bool>();
+    finite_by_device[t.device().str()].push_back(torch::isfinite(t).all());
   }
+  bool finite = true;
+  for (const auto& [device, flags] : finite_by_device) finite = finite && torch::stack(flags).all().item<bool>();
   return finite;
 }
 

@@ -44,6 +44,7 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   config.optimizer.validate();
   config.precision.validate();
   check_precision_on(config.precision, config.device);
+  for (const auto& d : config.devices) check_precision_on(config.precision, d);
   auto strategy = found->second.factory(config);
   STRATA_CHECK(strategy->supports(config.precision), "strategy '" << name << "' does not train in precision "
                                                                  << config.precision.to_string()
