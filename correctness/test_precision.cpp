@@ -19,6 +19,23 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
+// A strategy's config on the test device with the options it needs, under `policy`.
+StrategyConfig config_for(const std::string& name, const PrecisionPolicy& policy = {}) {
+  StrategyConfig config;
+  config.device = test::device();
+  config.options = Registry::required_options(name);
+  config.precision = policy;
+  return config;
+}
+
+// The registered strategies that train under `policy` (each asked, built under fp32).
+std::vector<std::string> strategies_under(const PrecisionPolicy& policy) {
+  std::vector<std::string> out;
+  for (const auto& name : Registry::names())
+    if (Registry::create(name, config_for(name))->supports(policy)) out.push_back(name);
+  return out;
+}
+
 TEST(Precision, policies_read_back_from_their_text) {
   for (const auto* text : {"fp32", "bf16", "fp16", "bf16,transfer=fp32", "bf16,reduce=bf16", "fp16,scale=1024,growth=50"}) {
     EXPECT_EQ(PrecisionPolicy::parse(text).to_string(), text);
@@ -148,14 +165,8 @@ TEST(Precision, compute_copies_sum_gradients_in_the_reduction_dtype_and_restore_
 // mixed dtypes); in fp32 it trains.
 TEST(Precision, a_model_with_floating_buffers_is_refused_in_bf16_by_name) {
   const auto chain = correctness::ChainSpec::parse("chain(in=3 width=4 classes=3 blocks=lin,bn)");
-  for (const auto& name : Registry::names()) {
-    StrategyConfig config;
-    config.device = test::device();
-    config.options = Registry::required_options(name);
-    const auto bf16 = PrecisionPolicy::parse("bf16");
-    if (!Registry::create(name, config)->supports(bf16)) continue;
-    config.precision = bf16;
-    auto s = Registry::create(name, config);
+  for (const auto& name : strategies_under(PrecisionPolicy::parse("bf16"))) {
+    auto s = Registry::create(name, config_for(name, PrecisionPolicy::parse("bf16")));
     EXPECT_THAT(test::error_of([&] { s->attach(chain.build(0)); }),
                 AllOf(HasSubstr(name), HasSubstr("running_mean"), HasSubstr("bf16")))
         << name;
@@ -234,18 +245,10 @@ TEST(Precision, an_fp16_step_that_overflows_is_skipped_and_the_scale_lowered) {
 
 // Which strategies train under a bf16 policy today; the others refuse it (the test above).
 TEST(Precision, the_strategies_that_train_in_bf16_are_these) {
-  const auto policy = PrecisionPolicy::parse("bf16");
-  std::vector<std::string> supporting;
-  for (const auto& name : Registry::names()) {
-    StrategyConfig probe;
-    probe.device = test::device();
-    probe.options = Registry::required_options(name);
-    if (Registry::create(name, probe)->supports(policy)) supporting.push_back(name);
-  }
-  EXPECT_THAT(supporting, ::testing::ElementsAre("baseline", "baseline_checkpoint", "hook_offload",
-                                                 "hook_offload_overlap", "hook_offload_sync", "manual_split",
-                                                 "pipeline_1f1b", "pipeline_custom", "pipeline_gpipe",
-                                                 "pipeline_interleaved", "pipeline_zero_bubble"));
+  EXPECT_THAT(strategies_under(PrecisionPolicy::parse("bf16")),
+              ::testing::ElementsAre("baseline", "baseline_checkpoint", "hook_offload", "hook_offload_overlap",
+                                     "hook_offload_sync", "manual_split", "pipeline_1f1b", "pipeline_custom",
+                                     "pipeline_gpipe", "pipeline_interleaved", "pipeline_zero_bubble"));
 }
 
 // hook_offload streams the weights in the transfer dtype: under bf16 half the bytes of fp32 a step
@@ -297,12 +300,8 @@ class DtypeProbe : public models::Block {
 // fp32 would pass the parity bound (fp32 is more exact than bf16's bound asks), so this looks.
 TEST(Precision, every_supporting_strategy_computes_in_bf16_and_passes_bf16_activations_on) {
   const auto policy = PrecisionPolicy::parse("bf16");
-  for (const auto& name : Registry::names()) {
-    StrategyConfig config;
-    config.device = test::device();
-    config.options = Registry::required_options(name);
-    if (!Registry::create(name, config)->supports(policy)) continue;
-    config.precision = policy;
+  for (const auto& name : strategies_under(policy)) {
+    const auto config = config_for(name, policy);
     std::vector<torch::ScalarType> seen;
     models::ModelConfig mc;
     mc.kind = models::ModelKind::custom;
@@ -330,14 +329,10 @@ TEST(Precision, after_steps_a_strategy_computes_with_the_casts_of_its_own_master
   const auto policy = PrecisionPolicy::parse("bf16");
   const auto model_config = models::preset("gpt-tiny").config;
   const auto batch = models::make_batch(model_config, 2, 3);
-  for (const auto& name : Registry::names()) {
-    StrategyConfig config;
-    config.device = test::device();
+  for (const auto& name : strategies_under(policy)) {
+    auto config = config_for(name, policy);
     config.optimizer.kind = OptimizerKind::adamw;
     config.optimizer.lr = 1e-3;
-    config.options = Registry::required_options(name);
-    if (!Registry::create(name, config)->supports(policy)) continue;
-    config.precision = policy;
     auto s = Registry::create(name, config);
     s->attach(models::build_model(model_config, 0));
     for (int step = 0; step < 2; ++step) {
@@ -368,11 +363,7 @@ TEST(Precision, after_steps_a_strategy_computes_with_the_casts_of_its_own_master
 TEST(Precision, strategies_that_train_in_bf16_match_the_reference_within_its_bounds) {
   const auto policy = PrecisionPolicy::parse("bf16");
   int checked = 0;
-  for (const auto& name : Registry::names()) {
-    StrategyConfig probe;
-    probe.device = test::device();
-    probe.options = Registry::required_options(name);
-    if (!Registry::create(name, probe)->supports(policy)) continue;
+  for (const auto& name : strategies_under(policy)) {
     for (const auto* preset : {"gpt-tiny", "mlp-tiny", "mlp-tied-tiny", "bert-tiny"}) {
       correctness::ParityCase c;
       c.model = models::preset(preset).config;
