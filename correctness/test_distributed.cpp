@@ -26,9 +26,11 @@ const std::vector<std::string> kDataParallel = {"sharded", "sharded_offload"};
 int world() { return distributed::environment().world_size; }
 int rank() { return distributed::environment().rank; }
 
-std::unique_ptr<Sharded> make_sharded(const std::map<std::string, std::string>& options, bool offload = false) {
+std::unique_ptr<Sharded> make_sharded(const std::map<std::string, std::string>& options, bool offload = false,
+                                      const std::string& precision = "fp32") {
   StrategyConfig c;
   c.device = test::device();
+  c.precision = PrecisionPolicy::parse(precision);
   auto all = options;
   if (offload) all["offload"] = "1";
   return std::make_unique<Sharded>(offload ? "sharded_offload" : "sharded", c, ShardedOptions::parse(all));
@@ -80,11 +82,15 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
   // resharding every unit is gathered once per use in forward and once per use in backward; each
   // gather receives (W-1)/W of the padded unit. Each unit is reduce-scattered once: (W-1)/W of it
   // with NCCL, 2 (W-1)/W with Gloo (an all-reduce). The loss's all-reduce adds 2 (W-1)/W x 8 bytes.
+  // Under bf16 the units are gathered in bf16 (half the gathers' bytes and of the gathered peak);
+  // the shards and their reduction stay fp32.
   const auto config = models::preset("gpt-tiny").config;
   auto model = models::build_model(config, 0);
   const auto plan = plan_units(model);
   const double w = world();
   const bool nccl = distributed::group_for(test::device())->backend() == "nccl";
+  for (const auto* precision : {"fp32", "bf16"}) {
+  const double gathered = std::string(precision) == "bf16" ? 0.5 : 1.0;
   double expected = 2.0 * 8 * (w - 1) / w;
   int64_t shard_bytes = 0, widest_window = 0;
   std::vector<int64_t> padded(plan.units.size());
@@ -93,15 +99,17 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     for (auto p : plan.units[u]) numel += model.parameters()[p].tensor.numel();
     padded[u] = (numel + world() - 1) / world() * world() * 4;
     shard_bytes += padded[u] / world();
-    expected += 2.0 * plan.users[u] * padded[u] * (w - 1) / w + padded[u] * (nccl ? 1.0 : 2.0) * (w - 1) / w;
+    expected += gathered * 2.0 * plan.users[u] * padded[u] * (w - 1) / w + padded[u] * (nccl ? 1.0 : 2.0) * (w - 1) / w;
   }
   for (const auto& window : plan.windows) {
     int64_t bytes = 0;
     for (auto u : window) bytes += padded[u];
-    widest_window = std::max(widest_window, bytes);
+    widest_window = std::max(widest_window, static_cast<int64_t>(gathered * bytes));
   }
   for (bool offload : {false, true}) {
-    auto s = make_sharded({{"prefetch", "1"}}, offload);
+    if (std::string(precision) == "bf16" && offload) continue;  // as fp32's; its host copies: test_precision
+    SCOPED_TRACE(precision);
+    auto s = make_sharded({{"prefetch", "1"}}, offload, precision);
     s->attach(models::build_model(config, 0));
     s->reset_stats();
     s->train_step(models::make_batch(config, world() + 1, 1));
@@ -120,6 +128,24 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     s->optimizer_step();
     EXPECT_EQ(s->stats().devices.begin()->second.resident_param_bytes, shards_on_device);
   }
+  }
+}
+
+// Mixed precision over the ranks: gathered in bf16, gradients reduce-scattered in fp32 or in bf16
+// (over Gloo a bf16 sum is every rank's part added in rank order), against the float64 reference
+// within bf16's bounds; tied presets and BERT.
+TEST(Distributed, bf16_matches_the_reference_within_its_bounds) {
+  for (const auto& strategy : kDataParallel)
+    for (const auto* precision : {"bf16", "bf16,reduce=bf16"})
+      for (const auto* preset : {"gpt-tiny", "mlp-tied-tiny", "bert-tiny"}) {
+        correctness::ParityCase c;
+        c.model = models::preset(preset).config;
+        c.batch_size = world() + 2;
+        c.precision = PrecisionPolicy::parse(precision);
+        c.options = {{"prefetch", "2"}};
+        const auto r = correctness::check_parity(strategy, c, test::device());
+        EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
+      }
 }
 
 TEST(Distributed, parity_holds_with_injected_delays_and_a_missing_wait_is_caught) {

@@ -87,6 +87,27 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
   }
 }
 
+// Mixed precision over the ranks: bf16 activations and gradients over the channels, the tied
+// embedding's copies summed over the ranks, reduction in fp32 and in bf16; against the float64
+// reference within bf16's bounds.
+TEST(DistributedPipeline, bf16_matches_the_reference_within_its_bounds) {
+  for (const auto& strategy : kPipelines) {
+    const bool interleaved = strategy == "pipeline_interleaved";
+    for (const auto* precision : {"bf16", "bf16,reduce=bf16"})
+      for (const auto* preset : {"gpt-tiny", "bert-tiny"}) {
+        correctness::ParityCase c;
+        c.model = models::preset(preset).config;
+        c.model.depth = std::max<int64_t>(c.model.depth, 2 * world());
+        c.batch_size = 2 * world();
+        c.precision = PrecisionPolicy::parse(precision);
+        c.options = {{"micro_batches", std::to_string(world())}};
+        if (interleaved) c.options["virtual_stages"] = "2";
+        const auto r = correctness::check_parity(strategy, c, test::device());
+        EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
+      }
+  }
+}
+
 // A stage that throws on one rank ends the step on every rank with its error (its neighbours get
 // it over their channels, the rest from them in turn), and the next step runs normally: every
 // channel was drained in its order.

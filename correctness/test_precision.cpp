@@ -67,9 +67,10 @@ TEST(Precision, invalid_policies_name_what_is_wrong) {
 TEST(Precision, a_strategy_without_the_policy_refuses_it_by_name) {
   StrategyConfig config;
   config.device = test::device();
-  config.precision = PrecisionPolicy::parse("bf16");
+  // sharded gathers straight into the compute dtype: it cannot gather in fp32 and compute in bf16.
+  config.precision = PrecisionPolicy::parse("bf16,transfer=fp32");
   const auto message = test::error_of([&] { (void)Registry::create("sharded", config); });
-  EXPECT_THAT(message, AllOf(HasSubstr("sharded"), HasSubstr("does not train in precision bf16")));
+  EXPECT_THAT(message, AllOf(HasSubstr("sharded"), HasSubstr("does not train in precision bf16,transfer=fp32")));
   EXPECT_NO_THROW((void)Registry::create("baseline", config));
   // hook_offload sums gradients on the host in fp32 only.
   config.precision = PrecisionPolicy::parse("bf16,reduce=bf16");
@@ -204,7 +205,7 @@ TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_a
 // unchanged), the scale halves; at a sane scale the next step trains. Every strategy that trains in
 // fp16; on a CPU without fp16 products each refuses it (checked by name above).
 TEST(Precision, an_fp16_step_that_overflows_is_skipped_and_the_scale_lowered) {
-  for (const auto* name : {"baseline", "manual_split", "pipeline_1f1b", "hook_offload"}) {
+  for (const auto* name : {"baseline", "manual_split", "pipeline_1f1b", "hook_offload", "sharded"}) {
     StrategyConfig config;
     config.device = test::device();
     config.optimizer.lr = 0.1;
@@ -243,25 +244,29 @@ TEST(Precision, an_fp16_step_that_overflows_is_skipped_and_the_scale_lowered) {
   }
 }
 
-// Which strategies train under a bf16 policy today; the others refuse it (the test above).
+// Which strategies train under the bf16 policy: every registered one (the refusals that remain,
+// of particular combinations, are the tests above).
 TEST(Precision, the_strategies_that_train_in_bf16_are_these) {
   EXPECT_THAT(strategies_under(PrecisionPolicy::parse("bf16")),
               ::testing::ElementsAre("baseline", "baseline_checkpoint", "hook_offload", "hook_offload_overlap",
                                      "hook_offload_sync", "manual_split", "pipeline_1f1b", "pipeline_custom",
-                                     "pipeline_gpipe", "pipeline_interleaved", "pipeline_zero_bubble"));
+                                     "pipeline_gpipe", "pipeline_interleaved", "pipeline_zero_bubble", "sharded",
+                                     "sharded_offload"));
 }
 
 // hook_offload streams the weights in the transfer dtype: under bf16 half the bytes of fp32 a step
 // (the batch aside), the same as fp32 with transfer=fp32; gradients come back in fp32 either way.
-TEST(Precision, hook_offload_streams_half_the_bytes_in_bf16) {
+// sharded_offload sends its shards up in bf16 likewise (on a GPU; on the CPU nothing is copied).
+TEST(Precision, offloading_strategies_stream_half_the_bytes_in_bf16) {
   const auto model_config = models::preset("gpt-tiny").config;
   const auto batch = models::make_batch(model_config, 2, 1);
   const int64_t batch_bytes = batch.input.nbytes() + batch.target.nbytes();
+  std::string name = "hook_offload";
   auto bytes = [&](const std::string& precision) {
     StrategyConfig config;
     config.device = test::device();
     config.precision = PrecisionPolicy::parse(precision);
-    auto s = Registry::create("hook_offload", config);
+    auto s = Registry::create(name, config);
     s->attach(models::build_model(model_config, 0));
     s->train_step(batch);
     s->optimizer_step();
@@ -276,6 +281,12 @@ TEST(Precision, hook_offload_streams_half_the_bytes_in_bf16) {
   EXPECT_EQ(2 * bf16.first, fp32.first);
   EXPECT_EQ(bf16_fp32_transfer.first, fp32.first);
   EXPECT_EQ(bf16.second, fp32.second);
+  if (!test::device().is_cuda()) return;
+  name = "sharded_offload";
+  const auto sharded_fp32 = bytes("fp32"), sharded_bf16 = bytes("bf16");
+  ASSERT_GT(sharded_fp32.first, 0);
+  EXPECT_EQ(2 * sharded_bf16.first, sharded_fp32.first);
+  EXPECT_EQ(sharded_bf16.second, sharded_fp32.second);
 }
 
 // A block that records the dtypes it computes with: its weight's and its input's.

@@ -169,15 +169,12 @@ class C10dGroup : public Group {
   Work all_gather(const torch::Tensor& out, const torch::Tensor& in) override {
     STRATA_CHECK(out.is_contiguous() && in.is_contiguous() && out.numel() == in.numel() * size_,
                  "all_gather: out has " << out.numel() << " elements, in " << in.numel() << ", world " << size_);
+    STRATA_CHECK(out.scalar_type() == in.scalar_type(),
+                 "all_gather: out is " << out.scalar_type() << " but in is " << in.scalar_type());
     if (backend_ == "nccl") {
       return launch("all-gather", [this, o = torch::Tensor(out), i = torch::Tensor(in)]() mutable { return impl_->_allgather_base(o, i); });
     }
-    return launch("all-gather", [this, out, in] {
-      std::vector<std::vector<torch::Tensor>> outs(1);
-      for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
-      std::vector<torch::Tensor> ins{in};
-      return impl_->allgather(outs, ins);
-    });
+    return launch("all-gather", gloo_all_gather(out, in));
   }
 
   Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) override {
@@ -188,6 +185,13 @@ class C10dGroup : public Group {
     }
     // Gloo in LibTorch 1.13 has no reduce-scatter: all-reduce the whole, keep this rank's slice.
     auto slice = in.narrow(0, rank_ * out.numel(), out.numel());
+    if (in.scalar_type() == torch::kBFloat16) {
+      auto sum = std::make_shared<torch::Tensor>();
+      return launch("reduce-scatter", gloo_bf16_sum_start(in, sum), [this, out, sum]() mutable {
+        torch::NoGradGuard no_grad;
+        out.copy_(sum_in_rank_order(*sum, out.numel(), rank_ * out.numel(), false));
+      });
+    }
     return launch(
         "reduce-scatter",
         [this, in] {
@@ -201,6 +205,14 @@ class C10dGroup : public Group {
   }
 
   Work all_reduce(const torch::Tensor& t, bool max) override {
+    if (backend_ == "gloo" && t.scalar_type() == torch::kBFloat16) {
+      STRATA_CHECK(t.is_contiguous(), "all_reduce: a bfloat16 tensor over Gloo must be contiguous");
+      auto sum = std::make_shared<torch::Tensor>();
+      return launch("all-reduce", gloo_bf16_sum_start(t, sum), [this, t, sum, max]() mutable {
+        torch::NoGradGuard no_grad;
+        t.view({-1}).copy_(sum_in_rank_order(*sum, t.numel(), 0, max));
+      });
+    }
     return launch("all-reduce", [this, t, max] {
       std::vector<torch::Tensor> ts{t};
       c10d::AllreduceOptions options;
@@ -231,6 +243,42 @@ class C10dGroup : public Group {
 
  private:
   using Start = std::function<c10::intrusive_ptr<c10d::Work>()>;
+
+  // Gloo in LibTorch 1.13 knows no bfloat16 (Half it does). A gather only moves bytes, so bfloat16
+  // travels as Half's 16-bit words, unchanged. A sum gathers every rank's tensor that way and adds
+  // them in rank order in bfloat16 (each addition rounded to bfloat16, as a bfloat16 reduction's
+  // would be), the same order and so the same result on every rank.
+  Start gloo_all_gather(const torch::Tensor& out, const torch::Tensor& in) {
+    const bool words = in.scalar_type() == torch::kBFloat16;
+    auto o = words ? out.view(torch::kHalf) : out;
+    auto i = words ? in.view(torch::kHalf) : in;
+    return [this, o, i] {
+      std::vector<std::vector<torch::Tensor>> outs(1);
+      for (int r = 0; r < size_; ++r) outs[0].push_back(o.narrow(0, r * i.numel(), i.numel()));
+      std::vector<torch::Tensor> ins{i};
+      return impl_->allgather(outs, ins);
+    };
+  }
+
+  Start gloo_bf16_sum_start(const torch::Tensor& t, const std::shared_ptr<torch::Tensor>& all) {
+    auto flat = t.reshape({-1});
+    *all = torch::empty({size_ * flat.numel()}, flat.options());
+    return gloo_all_gather(*all, flat);
+  }
+
+  // Elements [at, at + n) of the rank-order sum (or maximum) of every rank's part of `all`.
+  torch::Tensor sum_in_rank_order(const torch::Tensor& all, int64_t n, int64_t at, bool max) const {
+    const int64_t part = all.numel() / size_;
+    auto acc = all.narrow(0, at, n).clone();
+    for (int r = 1; r < size_; ++r) {
+      const auto next = all.narrow(0, r * part + at, n);
+      if (max)
+        acc = torch::maximum(acc, next);
+      else
+        acc.add_(next);
+    }
+    return acc;
+  }
 
   // Starts a collective; the injected collective delay (device::Delays) holds back the collective
   // itself, not the caller, so compute that skips its wait really races it. On the CPU every
@@ -435,6 +483,12 @@ std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to) 
   auto& c = channels[{device.str(), from, to}];
   if (!c) c = std::make_shared<C10dChannel>(backend, device, from, to);
   return c;
+}
+
+bool on_every_rank(Group& group, bool mine, const torch::Device& device) {
+  auto failed = torch::full({1}, mine ? 0.0f : 1.0f, torch::TensorOptions().device(device));
+  group.all_reduce(failed, /*max=*/true).wait();
+  return failed.item<float>() == 0.0f;
 }
 
 std::shared_ptr<Group> group_for(const torch::Device& device) {

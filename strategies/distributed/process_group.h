@@ -104,6 +104,10 @@ std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to);
 /// process's lifetime. Timeout: STRATA_DIST_TIMEOUT_S seconds (default 300).
 std::shared_ptr<Group> group_for(const torch::Device& device);
 
+/// True when `mine` is true on every rank of `group` (a flag all-reduced on `device`): a decision
+/// taken the same way everywhere, e.g. whether all of a step's gradients are finite.
+bool on_every_rank(Group& group, bool mine, const torch::Device& device);
+
 /// The environment group_for() uses, read once.
 const Environment& environment();
 

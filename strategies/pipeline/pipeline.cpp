@@ -413,8 +413,11 @@ void Pipeline::attach_model(models::BlockModel model) {
   grads_.assign(params.size(), torch::Tensor());
   optimizer_state_.assign(params.size(), OptimizerState{});
   {
+    // Across processes, only the parameters this rank computes with (the others stay fp32 on the
+    // host, unused).
     std::vector<torch::Tensor> computed;
-    for (const auto& p : params) computed.push_back(p.tensor);
+    for (size_t i = 0; i < params.size(); ++i)
+      if (local_param_[i]) computed.push_back(params[i].tensor);
     for (auto& stage : replicas_)
       for (auto& r : stage) computed.push_back(r.value);
     copies_ = ComputeCopies(config_.precision, std::move(computed));
@@ -844,11 +847,12 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   if (c10d_) {  // stage by stage over the ranks; every rank returns the output
     const int last = schedule_.num_stages() - 1;
     const auto dev = rank_devices_[my_rank_];
+    ComputeCopies::Scope bound(copies_);
     for (int s = 0; s <= last; ++s) {
       const int r = schedule_.rank_of(s);
       if (r != my_rank_) continue;
       if (s == 0)
-        x = input.to(dev);
+        x = config_.precision.cast_input(input.to(dev));
       else if (schedule_.rank_of(s - 1) != my_rank_)
         x = channel_to(schedule_.rank_of(s - 1), /*outgoing=*/false)->receive().tensor;
       for (int64_t b = first_block_[s]; b < first_block_[s + 1]; ++b) x = m.blocks()[b]->forward(x);
@@ -882,16 +886,16 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   return x;
 }
 
-bool Pipeline::supports(const PrecisionPolicy& policy) const {
-  const auto& env = distributed::environment();
-  return policy.is_fp32() || !(env.launched && env.world_size > 1);
-}
+bool Pipeline::supports(const PrecisionPolicy&) const { return true; }
 
 void Pipeline::optimizer_step() {
   auto& params = model().parameters();
   torch::NoGradGuard no_grad;
   // fp16: the gradients carry the loss scale; a step with an inf or nan in any of them is skipped.
-  const bool finite = scaler_.unscale(grads_);
+  bool finite = scaler_.unscale(grads_);
+  // Across processes each rank sees only its own parameters' gradients: a step skipped on one rank
+  // is skipped on all, and the scale stays the same everywhere.
+  if (c10d_ && scaler_.enabled()) finite = distributed::on_every_rank(*group_, finite, rank_devices_[my_rank_]);
   scaler_.update(finite);
   if (!finite)
     for (auto& g : grads_) g = torch::Tensor();
@@ -950,7 +954,9 @@ NamedTensors Pipeline::gradients() {
   if (c10d_) {  // every parameter's gradient from its home rank (shared ones are equal on every holder)
     std::vector<models::NamedParameter> grads;
     for (size_t i = 0; i < params.size(); ++i) {
-      auto g = grads_[i].defined() ? grads_[i] : torch::zeros(params[i].tensor.sizes(), params[i].tensor.options());
+      // As the optimizer will see them: without the loss scale (fp16).
+      auto g = grads_[i].defined() ? grads_[i] / scaler_.scale()
+                                   : torch::zeros(params[i].tensor.sizes(), params[i].tensor.options());
       grads.push_back({params[i].name, g, params[i].owner_block});
     }
     return gather(grads, home_stage_);

@@ -51,12 +51,16 @@ struct Sharded::Unit {
   int64_t trainable_in_shard = 0;  ///< leading elements of this rank's shard that train
   int users = 0, pending_users = 0;
   torch::Tensor shard;          ///< this rank's slice: on the device, or pinned host memory (offload)
+  torch::Tensor travel;         ///< offload on CUDA under a narrower transfer dtype: the shard in it
+                                ///< (pinned), refreshed by each host update
   torch::Tensor shard_grad;     ///< its gradient since the last optimizer step, beside it
   bool has_grad = false;
-  torch::Tensor full;           ///< [padded] on the device; storage exists only while gathered
+  torch::Tensor full;           ///< [padded] on the device in the transfer dtype; storage exists only
+                                ///< while gathered
   int references = 0;
   distributed::Work gathering;
-  torch::Tensor grad_full;      ///< [padded] this step's uses summed, until reduce-scattered
+  torch::Tensor grad_full;      ///< [padded] this step's uses summed in the reduction dtype, until
+                                ///< reduce-scattered
   torch::Tensor reduced;        ///< [shard] the reduce-scatter's result (shard_grad itself on a fresh
                                 ///< device step), until added to shard_grad
   distributed::Work reducing;
@@ -74,8 +78,28 @@ torch::Device compute_device(const torch::Device& requested) {
 }  // namespace
 
 Sharded::Sharded(std::string name, const StrategyConfig& config, ShardedOptions options)
-    : name_(std::move(name)), config_(config), options_(std::move(options)), device_(compute_device(config.device)) {
+    : name_(std::move(name)),
+      config_(config),
+      options_(std::move(options)),
+      device_(compute_device(config.device)),
+      scaler_(config.precision) {
   device::check_available(device_);
+}
+
+bool Sharded::supports(const PrecisionPolicy& policy) const {
+  // Units are gathered straight into the buffers the blocks compute with; fp16's skipped steps
+  // cannot be undone by an optimizer that applies each unit's update during backward.
+  return policy.transfer == policy.compute && !(policy.scales_loss() && options_.overlap_optimizer);
+}
+
+int64_t Sharded::gathered_element() const {
+  return static_cast<int64_t>(c10::elementSize(config_.precision.transfer));
+}
+int64_t Sharded::reduced_element() const { return static_cast<int64_t>(c10::elementSize(config_.precision.reduce)); }
+
+torch::Tensor Sharded::travel_source(const Unit& unit) const {
+  if (unit.travel.defined()) return unit.travel;
+  return unit.shard.scalar_type() == config_.precision.transfer ? unit.shard : unit.shard.to(config_.precision.transfer);
 }
 
 Sharded::~Sharded() {
@@ -112,6 +136,7 @@ void Sharded::count_collective(int64_t bytes, double factor) {
 }
 
 void Sharded::attach_model(models::BlockModel model) {
+  check_buffers_under(config_.precision, model, name_);
   group_ = distributed::group_for(device_);
   const int64_t w = group_->size(), r = group_->rank();
   const auto& params = model.parameters();
@@ -122,7 +147,7 @@ void Sharded::attach_model(models::BlockModel model) {
   for (const auto& p : params) layout << p.name << p.tensor.sizes() << p.tensor.requires_grad() << ";";
   for (const auto& b : model.buffers()) layout << b.name << b.tensor.sizes() << ";";
   std::ostringstream description;
-  description << name_ << "(" << options_.to_string() << ") world " << w << ", model of " << params.size()
+  description << name_ << "(" << options_.to_string() << ", precision " << config_.precision.to_string() << ") world " << w << ", model of " << params.size()
               << " parameters / " << model.parameter_count() << " elements, layout #" << std::hex
               << std::hash<std::string>{}(layout.str());
   group_->agree(name_ + " attach", description.str());
@@ -155,13 +180,15 @@ void Sharded::attach_model(models::BlockModel model) {
     if (options_.offload) {
       unit.shard = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).copy_(mine);
       if (unit.trainable_numel > 0) unit.shard_grad = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).zero_();
+      if (offload_to_host() && config_.precision.transfer != torch::kFloat)
+        unit.travel = device::host_buffer({unit.shard_numel}, config_.precision.transfer, device_).copy_(mine);
     } else {
       unit.shard = mine.to(device_, /*non_blocking=*/false, /*copy=*/true);
       // shard_grad: allocated by the step's first reduction, freed by the optimizer step (as
       // zero_grad(set_to_none) does), so forward and the start of backward run without it.
     }
     shard_bytes_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
-    unit.full = torch::empty({unit.padded}, dev_options);
+    unit.full = torch::empty({unit.padded}, dev_options.dtype(config_.precision.transfer));
     for (auto p : unit.params) {
       auto& t = params[p].tensor;
       t.set_data(unit.full.narrow(0, param_slot_[p].second, t.numel()).view(t.sizes()));
@@ -186,7 +213,7 @@ void Sharded::gather(Unit& unit) {
     ++unit.references;
     return;
   }
-  const int64_t bytes = unit.padded * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = unit.padded * gathered_element();
   compat::reallocate_storage(unit.full.storage(), static_cast<size_t>(bytes));
   try {
     torch::NoGradGuard no_grad;
@@ -197,11 +224,11 @@ void Sharded::gather(Unit& unit) {
       // buffer was just allocated in the compute stream's order.
       h2d_->wait(device::Stream::compute(device_).record());
       device::Stream::Guard on_copy_stream(*h2d_);
-      auto source = unit.shard.to(device_, /*non_blocking=*/true);
-      bytes_h2d_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
+      auto source = travel_source(unit).to(device_, /*non_blocking=*/true);
+      bytes_h2d_ += unit.shard_numel * gathered_element();
       unit.gathering = group_->all_gather(unit.full, source);
     } else {
-      unit.gathering = group_->all_gather(unit.full, unit.shard);
+      unit.gathering = group_->all_gather(unit.full, travel_source(unit));
     }
   } catch (...) {
     compat::release_storage(unit.full.storage());
@@ -219,7 +246,7 @@ void Sharded::release(Unit& unit) {
   if (--unit.references > 0) return;
   unit.gathering.wait();  // a gather nobody waited for may still be writing the buffer
   compat::release_storage(unit.full.storage());
-  gathered_bytes_ -= unit.padded * static_cast<int64_t>(sizeof(float));
+  gathered_bytes_ -= unit.padded * gathered_element();
 }
 
 void Sharded::hold_window(int64_t block) {
@@ -278,7 +305,7 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing to reduce or update
-    if (!unit.grad_full.defined()) unit.grad_full = torch::zeros({unit.padded}, unit.full.options());
+    if (!unit.grad_full.defined()) unit.grad_full = torch::zeros({unit.padded}, unit.full.options().dtype(config_.precision.reduce));
     for (auto p : unit.params) {
       const auto& t = params[p].tensor;
       if (!t.requires_grad()) break;  // the frozen tail
@@ -287,14 +314,15 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
     }
     if (--unit.pending_users > 0) continue;  // a shared parameter: its other uses come later in backward
     // Its last use is done: reduce-scatter now, while the next block's backward runs; on a fresh step
-    // with the shard on the device, straight into its gradient.
-    const bool into_grad = !unit.has_grad && !options_.offload;
-    if (into_grad) unit.shard_grad = torch::empty({unit.shard_numel}, unit.full.options());
-    unit.reduced = into_grad ? unit.shard_grad : torch::empty({unit.shard_numel}, unit.full.options());
+    // with the shard on the device and fp32 reduction, straight into its gradient.
+    const auto fp32 = unit.full.options().dtype(torch::kFloat);
+    const bool into_grad = !unit.has_grad && !options_.offload && config_.precision.reduce == torch::kFloat;
+    if (into_grad) unit.shard_grad = torch::empty({unit.shard_numel}, fp32);
+    unit.reduced = into_grad ? unit.shard_grad : torch::empty({unit.shard_numel}, unit.grad_full.options());
     unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
     reducing_.push_back(static_cast<int64_t>(u));
     const auto w = static_cast<double>(world_size());
-    count_collective(unit.padded * static_cast<int64_t>(sizeof(float)),
+    count_collective(unit.padded * reduced_element(),
                      group_->backend() == "nccl" ? (w - 1) / w : 2 * (w - 1) / w);  // Gloo: all-reduce
   }
 }
@@ -314,10 +342,12 @@ void Sharded::finish_reduction(Unit& unit) {
   if (offload_to_host()) {
     // Down on the copy stream, straight into the pinned gradient on a fresh step (else into a staging
     // buffer that the host adds); the host applies the update once it has landed.
+    // A reduction narrower than fp32 is widened on the device first, in the compute stream's order.
+    auto down = unit.reduced.scalar_type() == torch::kFloat ? unit.reduced : unit.reduced.to(torch::kFloat);
     d2h_->wait(device::Stream::compute(device_).record());
     auto staging = fresh ? torch::Tensor() : device::host_buffer({unit.shard_numel}, torch::kFloat, device_);
-    d2h_->copy(fresh ? unit.shard_grad : staging, unit.reduced);
-    d2h_->keep_alive(unit.reduced);
+    d2h_->copy(fresh ? unit.shard_grad : staging, down);
+    d2h_->keep_alive(down);
     bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
     host_->submit([this, landed = d2h_->record(), staging, &unit] {
       landed.synchronize();
@@ -326,7 +356,9 @@ void Sharded::finish_reduction(Unit& unit) {
     });
   } else {
     if (!unit.reduced.is_same(unit.shard_grad)) {
-      if (fresh)
+      if (!unit.shard_grad.defined())  // a fresh step with a narrower reduction: widened here
+        unit.shard_grad = unit.reduced.to(torch::kFloat);
+      else if (fresh)
         unit.shard_grad.copy_(unit.reduced);
       else
         unit.shard_grad.add_(unit.reduced);
@@ -352,6 +384,7 @@ void Sharded::update_shard(Unit& unit) {
   auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
   auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
   optimizer_update(config_.optimizer, p, g, unit.optimizer);
+  if (unit.travel.defined()) unit.travel.narrow(0, 0, unit.trainable_in_shard).copy_(p);
 }
 
 double Sharded::train_step(const models::Batch& batch) {
@@ -372,14 +405,14 @@ double Sharded::train_step(const models::Batch& batch) {
   double local = 0.0;
   try {
     // The rank's slice, weighted by its share of the whole batch's targets.
-    auto x = batch.input.narrow(0, lo, hi - lo).to(device_);
+    auto x = config_.precision.cast_input(batch.input.narrow(0, lo, hi - lo).to(device_));
     auto target = batch.target.narrow(0, lo, hi - lo).to(device_);
     bytes_h2d_ += (batch.input.nbytes() + batch.target.nbytes()) * (hi - lo) / batch.size();
     const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
     for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
     auto loss = m.loss_sum(x, target) / counted;
     x = torch::Tensor();
-    loss.backward();
+    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();  // fp16: the scale rides the gradients
     finish_reductions();
     clean_up();
     local = loss.item<double>();
@@ -417,7 +450,7 @@ torch::Tensor Sharded::forward(const torch::Tensor& input) {
   finish_pending();
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
-  auto x = input.to(device_);
+  auto x = config_.precision.cast_input(input.to(device_));
   for (int64_t b = 0; b < m.num_blocks(); ++b) {
     hold_window(b);
     prefetch_from(b, /*backward=*/false);
@@ -436,9 +469,19 @@ void Sharded::optimizer_step() {
   // the host is about to write.
   if (h2d_) h2d_->synchronize();
   torch::NoGradGuard no_grad;
+  // fp16: the gradients carry the loss scale. A step with an inf or nan on any rank is skipped on
+  // every rank (each rank sees only its shards), and the scale lowered everywhere alike.
+  bool finite = true;
+  if (scaler_.enabled()) {
+    std::vector<torch::Tensor> grads;
+    for (auto& unit : units_)
+      if (unit.has_grad && unit.trainable_in_shard > 0) grads.push_back(unit.shard_grad.narrow(0, 0, unit.trainable_in_shard));
+    finite = distributed::on_every_rank(*group_, scaler_.unscale(grads), device_);
+    scaler_.update(finite);
+  }
   for (auto& unit : units_) {
     if (!unit.has_grad) continue;
-    if (!options_.overlap_optimizer) update_shard(unit);  // else applied as the gradient landed
+    if (!options_.overlap_optimizer && finite) update_shard(unit);  // else applied as the gradient landed
     unit.has_grad = false;  // the next gradient overwrites shard_grad rather than adding to it
     if (!options_.offload) unit.shard_grad = torch::Tensor();  // its device memory is free until then
   }
@@ -446,7 +489,7 @@ void Sharded::optimizer_step() {
 }
 
 torch::Tensor Sharded::gather_full(const Unit& unit, const torch::Tensor& part) {
-  auto out = torch::empty({unit.padded}, unit.full.options());
+  auto out = torch::empty({unit.padded}, unit.full.options().dtype(part.scalar_type()));  // fp32, as the masters
   group_->all_gather(out, part.to(device_)).wait();
   return out.to(torch::kCPU);
 }
@@ -472,7 +515,12 @@ NamedTensors Sharded::full_tensors(bool grads) {
   return out;
 }
 
-NamedTensors Sharded::gradients() { return full_tensors(/*grads=*/true); }
+NamedTensors Sharded::gradients() {
+  auto out = full_tensors(/*grads=*/true);
+  if (scaler_.enabled())  // as the optimizer will see them: without the loss scale
+    for (auto& [name, g] : out) g.div_(scaler_.scale());
+  return out;
+}
 NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
 NamedTensors Sharded::buffers() { return host_copies(model().buffers()); }
 
@@ -482,6 +530,8 @@ Stats Sharded::stats() {
   s.bytes_h2d = bytes_h2d_;
   s.bytes_d2h = bytes_d2h_;
   s.bytes_interconnect = bytes_interconnect_;
+  s.loss_scale = scaler_.scale();
+  s.skipped_steps = scaler_.skipped_steps();
   auto& mem = s.devices[device_.str()];
   const int64_t shards_here = options_.offload ? 0 : shard_bytes_;
   mem.resident_param_bytes = shards_here + gathered_bytes_;

@@ -19,6 +19,13 @@
 // is copied to the device on a copy stream just before its gather (overlapping the block computing),
 // a reduced gradient goes back on another, and, by default (overlap_optimizer=1), the host updates
 // each unit as soon as its gradient has landed, while backward goes on.
+//
+// Mixed precision (StrategyConfig::precision): shards and optimizer state stay fp32; units are
+// gathered in the compute dtype (the transfer dtype, which must equal it here), so the blocks
+// compute in it; gradients are summed and reduce-scattered in the reduction dtype and added to the
+// fp32 shard gradients. sharded_offload keeps a pinned compute-dtype copy of each shard beside it,
+// refreshed by each host update, so the shards go up at half the bytes under bf16. fp16 scales the
+// loss; a step with an inf or nan gradient on any rank is skipped on every rank.
 #include <optional>
 
 #include "strategies/device/device.h"
@@ -57,6 +64,7 @@ class Sharded : public Strategy, public WindowedRunner {
   NamedTensors parameters() override;
   NamedTensors buffers() override;
   bool accumulates_gradients() const override { return !options_.overlap_optimizer; }
+  bool supports(const PrecisionPolicy& policy) const override;
   void finish_backward() override;
   Stats stats() override;
   void reset_stats() override;
@@ -98,6 +106,12 @@ class Sharded : public Strategy, public WindowedRunner {
   torch::Tensor gather_full(const Unit& unit, const torch::Tensor& part);
   NamedTensors full_tensors(bool grads);
   void count_collective(int64_t bytes, double factor);
+  /// Bytes of one element as gathered (the transfer dtype) and as reduced (the reduction dtype).
+  int64_t gathered_element() const;
+  int64_t reduced_element() const;
+  /// What `unit` is gathered from on the device's side: its shard (or pinned travel copy) in the
+  /// transfer dtype.
+  torch::Tensor travel_source(const Unit& unit) const;
 
   std::string name_;
   StrategyConfig config_;
@@ -110,6 +124,7 @@ class Sharded : public Strategy, public WindowedRunner {
   std::vector<bool> held_;
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset in the flat)
   std::vector<KeptGraph> kept_;
+  LossScaler scaler_;
   torch::Tensor anchor_;
   std::vector<int64_t> reducing_;            ///< units whose reduce-scatter is in flight, in launch order
   std::optional<device::Stream> h2d_, d2h_;  ///< offload on CUDA: shards up, gradients down
