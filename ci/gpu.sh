@@ -122,11 +122,11 @@ for extra in sys.argv[2:]:
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
 fi
-# bf16 compute over fp32 masters, for the strategies that train in it (the others refuse bf16 for
-# now; Precision.the_strategies_that_train_in_bf16_are_these lists them), on the same presets; the
+# bf16 compute over fp32 masters, for every strategy that trains in it
+# (Precision.the_strategies_that_train_in_bf16_are_these lists them), on the same presets; the
 # cells are named [precision=bf16] and gated beside the fp32 ones.
 echo "ci/gpu.sh: bf16 cells"
-bf16=${STRATA_BF16_STRATEGIES:-baseline,baseline_checkpoint,hook_offload,hook_offload_overlap,hook_offload_sync,manual_split,pipeline_1f1b,pipeline_gpipe,pipeline_interleaved,pipeline_zero_bubble}
+bf16=${STRATA_BF16_STRATEGIES:-baseline,baseline_checkpoint,hook_offload,hook_offload_overlap,hook_offload_sync,manual_split,pipeline_1f1b,pipeline_gpipe,pipeline_interleaved,pipeline_zero_bubble,sharded,sharded_offload}
 ./build/cuda/bench/strata_bench --device=cuda:0 --precision=bf16 --strategies="$bf16" --benchmark_repetitions="$reps" \
   ${STRATA_BENCH_ARGS:-} --benchmark_out="$outdir/bench-bf16.json" --benchmark_out_format=json > "$outdir/bench-bf16.txt" 2>&1 || status=1
 tail -n 3 "$outdir/bench-bf16.txt"
