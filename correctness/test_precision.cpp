@@ -195,6 +195,18 @@ TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_a
   EXPECT_EQ(scaler.skipped_steps(), 1);
   auto nan = torch::tensor({std::nanf("")});
   EXPECT_FALSE(scaler.unscale({nan}));
+  // A host tensor large enough to be split over threads, its overflow in the last chunk; and
+  // gradients on the test device (one multi-tensor kernel on a GPU), finite and not.
+  auto big = torch::full({3 << 19}, 1024.0f);
+  big[-1] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(scaler.unscale({big}));
+  EXPECT_EQ(big[0].item<float>(), 1.0f);
+  EXPECT_EQ(big[(3 << 19) - 2].item<float>(), 1.0f);
+  auto on_device = torch::full({5}, 3072.0f, torch::TensorOptions().device(test::device()));
+  EXPECT_TRUE(scaler.unscale({on_device, torch::full({7}, 1024.0f, torch::TensorOptions().device(test::device()))}));
+  EXPECT_EQ(on_device[4].item<float>(), 3.0f);
+  auto device_nan = torch::tensor({1.0f, std::nanf("")}, torch::TensorOptions().device(test::device()));
+  EXPECT_FALSE(scaler.unscale({on_device, device_nan}));
   // Other dtypes do not scale.
   LossScaler none(PrecisionPolicy::parse("bf16"));
   EXPECT_FALSE(none.enabled());

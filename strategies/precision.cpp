@@ -1,11 +1,13 @@
 #include "strategies/precision.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <sstream>
 
 #include "models/check.h"
+#include "models/threads.h"
 
 namespace strata {
 
@@ -184,20 +186,57 @@ LossScaler::LossScaler(const PrecisionPolicy& policy)
       scale_(policy.scales_loss() ? policy.initial_scale : 1.0),
       interval_(policy.scale_growth_interval) {}
 
+namespace {
+
+// A contiguous fp32 host tensor multiplied by `factor` in place, in one pass over memory split
+// over the cores; true if every result is finite. (x - x is 0 for a finite x, NaN for an inf or
+// a NaN: a test the compiler can vectorise.)
+bool scale_host_and_check(torch::Tensor& t, float factor) {
+  float* x = t.data_ptr<float>();
+  std::atomic<bool> finite{true};
+  parallel_chunks(t.numel(), [&](int64_t begin, int64_t end) {
+    bool ok = true;
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = x[i] * factor;
+      x[i] = v;
+      ok &= (v - v) == 0.0f;
+    }
+    if (!ok) finite = false;
+  });
+  return finite;
+}
+
+}  // namespace
+
 bool LossScaler::unscale(const std::vector<torch::Tensor>& gradients) const {
   if (!enabled_) return true;
   torch::NoGradGuard no_grad;
-  // One host synchronisation per device, not one per tensor: the flags stay on their device until
-  // they are all queued.
-  std::map<std::string, std::vector<torch::Tensor>> finite_by_device;
+  // Multiplied by 1 / scale (exact: the scale is the initial one times a power of two, and the
+  // same operation on every device). On a GPU, one multi-tensor kernel per device that also
+  // records any inf or nan on the device; on the host, one threaded pass per tensor. One host
+  // synchronisation per device, when all of them are queued.
+  const float inverse = static_cast<float>(1.0 / scale_);
+  std::map<std::string, std::vector<torch::Tensor>> on_gpu, flags_by_device;
+  bool finite = true;
   for (const auto& g : gradients) {
     if (!g.defined()) continue;
     auto t = g;
-    t.div_(scale_);
-    finite_by_device[t.device().str()].push_back(torch::isfinite(t).all());
+    if (t.is_cuda() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kHalf)) {
+      on_gpu[t.device().str() + dtype_name(t.scalar_type())].push_back(t);
+    } else if (t.is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous()) {
+      finite = scale_host_and_check(t, inverse) && finite;
+    } else {
+      t.mul_(inverse);
+      flags_by_device[t.device().str()].push_back(torch::isfinite(t).all());
+    }
   }
-  bool finite = true;
-  for (const auto& [device, flags] : finite_by_device) finite = finite && torch::stack(flags).all().item<bool>();
+  for (auto& [key, list] : on_gpu) {
+    const auto options = torch::TensorOptions().dtype(torch::kFloat).device(list.front().device());
+    auto found = torch::zeros({1}, options);
+    at::_amp_foreach_non_finite_check_and_unscale_(list, found, torch::full({1}, inverse, options));
+    flags_by_device[found.device().str()].push_back(found.eq(0).all());
+  }
+  for (const auto& [device, flags] : flags_by_device) finite = torch::stack(flags).all().item<bool>() && finite;
   return finite;
 }
 
