@@ -614,12 +614,15 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
     for (size_t k = 0; k < g.size(); ++k) {
       if (!g[k].defined()) continue;
       // Micro-batches' gradients are summed in the reduction dtype (a no-op under fp32).
+      // Summed in place into a tensor of the step's own (a gradient from backward may share
+      // storage with the output gradient that travels on to the previous stage): a 4.6B-parameter
+      // classifier's gradient is 17 GiB in fp32, and an out-of-place sum would hold three at once.
       const auto gk = g[k].to(config_.precision.reduce);
       auto& sum = run.stage_grads[s][block_params_[block][k]];
       if (!sum.defined())
-        sum = gk;
+        sum = gk.is_same(g[k]) ? gk.clone() : gk;
       else
-        sum = sum + gk;
+        sum.add_(gk);
     }
   };
 
@@ -795,8 +798,14 @@ double Pipeline::train_step(const models::Batch& batch) {
       const auto& g = run.stage_grads[static_cast<size_t>(s)][i];
       if (!g.defined()) continue;
       if (g.device() != params[i].tensor.device()) bytes_interconnect_ += g.nbytes();
-      // Compute-dtype gradients join the fp32 sums (the masters' dtype) here.
-      accumulate(shared[i] ? step[i] : grads_[i], g.to(params[i].tensor.device(), params[i].tensor.scalar_type()));
+      // Compute-dtype gradients join the fp32 sums (the masters' dtype) here. The stages' sums are
+      // the step's own (made above, dropped with `run`): the first one is taken, not copied.
+      auto& sum = shared[i] ? step[i] : grads_[i];
+      auto part = g.to(params[i].tensor.device(), params[i].tensor.scalar_type());
+      if (!sum.defined())
+        sum = part.detach();
+      else
+        sum.add_(part);
     }
   }
   double loss = 0;
