@@ -2,6 +2,7 @@
 """PyTorch's own equivalents of strata's strategies, timed on the same GPT in the same JSON shape
 as strata_bench (Google Benchmark's), so the report can show strata's figures as ratios to them.
 
+Models: strata's GPT presets and seed 000's BERT (bert-base-6m; bert-tiny for the parity checks).
 Peers: the all-GPU baseline (plain and with per-block checkpointing), FSDP2 at world size 1
 (fsdp2: fully_shard per block and on the root, blocks checkpointed as strata's sharded recomputes
 them; fsdp2_cpu_offload: the same with CPUOffloadPolicy), and seed 003's offload.py (given by path, never copied; it needs per-block
@@ -41,7 +42,15 @@ PRESETS = {
     "gpt-small": dict(depth=4, width=256, heads=4, vocab=4096, seq_len=128, batch=8),
     "gpt-medium": dict(depth=8, width=1024, heads=16, vocab=32000, seq_len=512, batch=8),
     "gpt-871m": dict(depth=16, width=2048, heads=16, vocab=32000, seq_len=1024, batch=8),
+    # Seed 000's BERT-like encoder: one label per sequence over a very wide classifier.
+    "bert-tiny": dict(kind="bert", depth=2, width=32, heads=4, vocab=64, seq_len=8, classes=100, batch=4),
+    "bert-base-6m": dict(kind="bert", depth=12, width=768, heads=12, vocab=30522, seq_len=128, classes=6_000_000,
+                         batch=32),
 }
+
+
+def is_bert(c):
+    return c.get("kind") == "bert"
 
 
 def sinusoidal(T, d, device, dtype):
@@ -63,18 +72,26 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width, heads):
+    """A transformer block: pre-norm and causal (the GPT), or post-norm and bidirectional (BERT),
+    as strata's models/transformer.cpp."""
+    def __init__(self, width, heads, bert=False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.bert = heads, bert
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
-    def forward(self, x):
+    def attention(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=not self.bert)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def forward(self, x):
+        if self.bert:
+            h = self.ln1(x + self.attention(x))
+            return self.ln2(h + self.fc2(F.gelu(self.fc1(h))))
+        x = x + self.attention(self.ln1(x))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -101,6 +118,42 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
         return self.head(x)
+
+
+class BERT(nn.Module):
+    """Learned token and position embeddings with a norm, post-norm bidirectional blocks, a tanh
+    pooler on the first token and a linear classifier over c["classes"]; with checkpoint, the
+    transformer blocks are recomputed in backward (the embedding, pooler and classifier are not)."""
+    def __init__(self, c, checkpoint):
+        super().__init__()
+        w = c["width"]
+        self.tokens = nn.Parameter(torch.empty(c["vocab"], w).normal_(0, 0.02))
+        self.positions = nn.Parameter(torch.empty(c["seq_len"], w).normal_(0, 0.02))
+        self.norm = nn.LayerNorm(w)
+        self.blocks = nn.ModuleList(Block(w, c["heads"], bert=True) for _ in range(c["depth"]))
+        self.pooler = nn.Linear(w, w)
+        self.classifier = nn.Linear(w, c["classes"])
+        with torch.no_grad():
+            self.classifier.weight.normal_(0, 0.02)
+            self.classifier.bias.zero_()
+        self.checkpoint = checkpoint
+
+    def forward(self, idx):
+        x = self.norm(F.embedding(idx, self.tokens) + self.positions[: idx.shape[1]])
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+def make_model(c, checkpoint, device=None):
+    """The preset's model from the current seed, on `device` (None: the host). Initialised on the
+    host, so every peer of a preset starts from the same values, except a classifier of millions
+    of classes, which initialises on the device (seconds there, minutes on one host thread); the
+    parity checks use the tiny presets."""
+    wide = is_bert(c) and c["classes"] > 1_000_000 and device is not None
+    with torch.device(device if wide else "cpu"):
+        model = BERT(c, checkpoint) if is_bert(c) else GPT(c, checkpoint)
+    return model.to(device) if device is not None else model
 
 
 # --precision: "fp32", or "bf16" for PyTorch's own mixed precision (autocast to bf16 over fp32
@@ -160,7 +213,7 @@ def profile_step(model, idx, target, path, backward_ctx=None, vocab=None):
 
 def entry(name, c, fb, op, extra=None):
     step = statistics.mean(fb) + statistics.mean(op)
-    items = c["batch"] * c["seq_len"]
+    items = c["batch"] if is_bert(c) else c["batch"] * c["seq_len"]  # sequences, or tokens (as strata_bench)
     out = {
         "name": name,
         "run_name": name,
@@ -193,6 +246,9 @@ def failed(name, message):
 
 def batch(c, device):
     g = torch.Generator().manual_seed(1)
+    if is_bert(c):  # a label per sequence
+        tokens = torch.randint(c["vocab"], (c["batch"], c["seq_len"]), generator=g)
+        return tokens.to(device), torch.randint(c["classes"], (c["batch"],), generator=g).to(device)
     tokens = torch.randint(c["vocab"], (c["batch"], c["seq_len"] + 1), generator=g)
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
@@ -220,15 +276,13 @@ def build_peer(kind, c, dev, offload_py):
     the context its backward needs, and the modules whose parameters it offloads."""
     torch.manual_seed(0)
     if kind in ("torch_baseline", "torch_checkpoint"):
-        model = GPT(c, checkpoint=kind == "torch_checkpoint").to(dev)
+        model = make_model(c, checkpoint=kind == "torch_checkpoint", device=dev)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, None
     if kind in ("fsdp2", "fsdp2_cpu_offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         init_distributed()
         offload = kind == "fsdp2_cpu_offload"
-        model = GPT(c, checkpoint=True)
-        if not offload:
-            model.to(dev)
+        model = make_model(c, checkpoint=True, device=None if offload else dev)
         policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
         root = dict(policy)
         if PRECISION == "bf16":
@@ -243,6 +297,8 @@ def build_peer(kind, c, dev, offload_py):
         fully_shard(model, **root)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, list(model.blocks) if offload else None
     if kind == "seed_offload":
+        if is_bert(c):
+            raise ValueError("seed_offload runs the GPT only")
         spec = importlib.util.spec_from_file_location("seed_offload", offload_py)
         offload = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(offload)
@@ -255,7 +311,7 @@ def build_peer(kind, c, dev, offload_py):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), offload.backward, blocks
     if kind == SELF_TEST_BROKEN:
         # Deliberately wrong, for --self-test: the plain model whose every gradient arrives doubled.
-        model = GPT(c, checkpoint=False).to(dev)
+        model = make_model(c, checkpoint=False, device=dev)
         for p in model.parameters():
             p.register_hook(lambda g: g * 2)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, None
@@ -290,14 +346,14 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu()
 
 
-def check_parity(kind, offload_py):
+def check_parity(kind, offload_py, bert=False):
     """Loss and every gradient of the peer on gpt-tiny against one process running the plain model
     on the same weights and batch, in full fp32 (under --precision=bf16 both under the same
     autocast: the same bf16 operations). Returns (ok, largest relative difference).
     torch_baseline is that reference itself: nothing to check."""
     if kind == "torch_baseline":
         return None, None
-    c, dev = PRESETS["gpt-tiny"], torch.device("cuda:0")
+    c, dev = PRESETS["bert-tiny" if bert else "gpt-tiny"], torch.device("cuda:0")
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -305,7 +361,7 @@ def check_parity(kind, offload_py):
         results = []
         for k in ("torch_baseline", kind):
             model, _, ctx, _ = build_peer(k, c, dev, offload_py)
-            loss = forward_backward(model, idx, target, ctx, c["vocab"])
+            loss = forward_backward(model, idx, target, ctx, None if bert else c["vocab"])
             torch.cuda.synchronize()
             grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
             results.append((loss.item(), grads))
@@ -335,9 +391,10 @@ def run_peer(kind, c, steps, offload_py, model_name, profile_dir=None):
     idx, target = batch(c, dev)
     name = peer_name(kind, model_name)
     torch.cuda.empty_cache()
-    parity, worst = check_parity(kind, offload_py)
+    parity, worst = check_parity(kind, offload_py, bert=is_bert(c))
     if parity is False:
-        return failed(name, f"parity failed: largest relative difference {worst:.3g} on gpt-tiny")
+        tiny = "bert-tiny" if is_bert(c) else "gpt-tiny"
+        return failed(name, f"parity failed: largest relative difference {worst:.3g} on {tiny}")
     torch.cuda.empty_cache()
     model, opt, ctx, offloaded = build_peer(kind, c, dev, offload_py)
     fb, op = timed_steps(model, opt, idx, target, steps, backward_ctx=ctx)
@@ -625,6 +682,8 @@ def main():
     ap.add_argument("--peers", default="torch_baseline,torch_checkpoint,fsdp2_cpu_offload,seed_offload")
     ap.add_argument("--offload-py", help="path to seed 003's offload.py (needed by the seed_offload peer)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, help="the batch, where not the preset's (the rows are then named "
+                                               "MODEL[batch=N], as strata_bench names its cells)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="bf16: torch_baseline and torch_checkpoint under torch.autocast(bfloat16), fsdp2 and "
                          "fsdp2_cpu_offload under FSDP2's MixedPrecisionPolicy (the default peer list becomes "
@@ -643,6 +702,8 @@ def main():
     if not args.out:
         ap.error("--out is required")
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if is_bert(PRESETS[args.model]):
+            ap.error("the data-parallel and pipeline peers run the GPT presets only")
         if args.peers == ap.get_default("peers"):
             args.peers = "ddp,fsdp2,fsdp2_cpu_offload"
         return run_distributed(args)
@@ -658,15 +719,19 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     c = PRESETS[args.model]
+    model_name = args.model
+    if args.batch and args.batch != c["batch"]:
+        c = dict(c, batch=args.batch)
+        model_name = f"{args.model}[batch={args.batch}]"
     results = []
     for kind in args.peers.split(","):
         if kind == "seed_offload" and not (args.offload_py and os.path.exists(args.offload_py)):
-            results.append(failed(f"{kind}/{args.model}", f"--offload-py not given or missing: {args.offload_py}"))
+            results.append(failed(f"{kind}/{model_name}", f"--offload-py not given or missing: {args.offload_py}"))
             continue
-        print(f"peers.py: {kind} on {args.model}", file=sys.stderr, flush=True)
+        print(f"peers.py: {kind} on {model_name}", file=sys.stderr, flush=True)
         t0 = time.time()
         try:
-            results.append(run_peer(kind, c, args.steps, args.offload_py, args.model, args.profile))
+            results.append(run_peer(kind, c, args.steps, args.offload_py, model_name, args.profile))
             r = results[-1]
             if r.get("error_occurred"):
                 print(f"peers.py: {kind}: {r['error_message']}", file=sys.stderr, flush=True)
@@ -674,7 +739,7 @@ def main():
             print(f"peers.py: {kind}: {r['real_time']:.1f} ms/step, peak {r['peak_allocated_bytes'] / 2**30:.2f} GiB"
                   f" ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         except Exception as e:  # an out-of-memory or a broken peer is a result; the others still run
-            results.append(failed(peer_name(kind, args.model), f"{type(e).__name__}: {e}"))
+            results.append(failed(peer_name(kind, model_name), f"{type(e).__name__}: {e}"))
             print(f"peers.py: {kind} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
     context = {"peers_device": torch.cuda.get_device_name(0), "torch_version": torch.__version__,
