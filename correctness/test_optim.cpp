@@ -62,5 +62,29 @@ TEST(Optimizers, sgd_momentum_matches_libtorch_on_the_tensor_path) { expect_same
 TEST(Optimizers, adamw_matches_libtorch_on_the_fused_path) { expect_same_trajectory(OptimizerKind::adamw, Path::fused, test::device()); }
 TEST(Optimizers, adamw_matches_libtorch_on_the_tensor_path) { expect_same_trajectory(OptimizerKind::adamw, Path::chain, test::device()); }
 
+// The rounded copy an update can write (the bf16 or fp16 weights that travel to a device): after
+// each step it equals the updated parameter cast by copy_(), element for element, on both paths;
+// the fused one over enough elements to be split over threads.
+TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
+  for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw})
+    for (auto dtype : {torch::kBFloat16, torch::kHalf})
+      for (auto path : {Path::fused, Path::chain}) {
+        OptimizerConfig config;
+        config.kind = kind;
+        config.lr = 1e-2;
+        torch::manual_seed(5);
+        const int64_t rows = path == Path::fused ? 1024 : 16;
+        auto param = parameter_on(path, torch::randn({rows, 1024}), test::device());
+        auto rounded = torch::empty({rows, 1024}, torch::TensorOptions().dtype(dtype).device(param.device()));
+        OptimizerState state;
+        for (int step = 0; step < 3; ++step) {
+          const auto grad = parameter_on(path, torch::randn({rows, 1024}), test::device());
+          optimizer_update(config, param, grad, state, rounded);
+          EXPECT_TRUE(torch::equal(rounded, param.to(dtype)))
+              << config.to_string() << " " << dtype << (path == Path::fused ? " fused" : " chain") << " step " << step;
+        }
+      }
+}
+
 }  // namespace
 }  // namespace strata

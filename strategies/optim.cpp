@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <thread>
+#include <type_traits>
 #include <sstream>
 
 #include "models/check.h"
@@ -46,8 +47,11 @@ bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {
 // Host updates in one pass over memory, split over threads: a chain of tensor operations reads
 // and writes every buffer once per operation (about twice the traffic), and host memory bandwidth
 // is what bounds a host optimizer. Same formulas as the tensor chain below, in float.
+// Out: void, or the dtype of a rounded copy written in the same loop (c10::BFloat16, c10::Half:
+// their conversions from float are the ones copy_() uses).
+template <typename Out>
 void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
-                       OptimizerState& state) {
+                       OptimizerState& state, Out* out) {
   const int64_t n = param.numel();
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
@@ -60,7 +64,9 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
       for (int64_t i = begin; i < end; ++i) {
         const float b = first ? g[i] : buf[i] * momentum + g[i];
         buf[i] = b;
-        p[i] -= lr * b;
+        const float pi = p[i] - lr * b;
+        p[i] = pi;
+        if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
       }
     });
     return;
@@ -86,21 +92,16 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
       m[i] = mi;
       v[i] = vi;
       const float denom = std::sqrt(vi / bias2) + eps;
-      p[i] = p[i] * decay - step_size * mi / denom;
+      const float pi = p[i] * decay - step_size * mi / denom;
+      p[i] = pi;
+      if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
     }
   });
 }
 
-}  // namespace
-
-void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
-                      OptimizerState& state) {
-  torch::NoGradGuard no_grad;
-  ++state.step;
-  if (fusable(param, grad)) {
-    fused_host_update(c, param, grad, state);
-    return;
-  }
+// The same update as a chain of tensor operations, for any device and dtype.
+void update_with_tensor_ops(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
+                            OptimizerState& state) {
   if (c.kind == OptimizerKind::sgd) {
     if (!state.exp_avg.defined())
       state.exp_avg = grad.clone();
@@ -121,6 +122,31 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   state.exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, 1.0 - c.beta2);
   auto denom = (state.exp_avg_sq / bias2).sqrt_().add_(c.eps);
   param.addcdiv_(state.exp_avg, denom, -c.lr / bias1);
+}
+
+}  // namespace
+
+void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
+                      OptimizerState& state, const torch::Tensor& rounded) {
+  torch::NoGradGuard no_grad;
+  if (rounded.defined())
+    STRATA_CHECK(rounded.numel() == param.numel(), "optimizer_update: the rounded copy has " << rounded.numel()
+                                                       << " elements, the parameter " << param.numel());
+  ++state.step;
+  if (fusable(param, grad)) {
+    const bool fused_copy = rounded.defined() && rounded.is_cpu() && rounded.is_contiguous();
+    if (fused_copy && rounded.scalar_type() == torch::kBFloat16) {
+      fused_host_update(c, param, grad, state, rounded.data_ptr<c10::BFloat16>());
+    } else if (fused_copy && rounded.scalar_type() == torch::kHalf) {
+      fused_host_update(c, param, grad, state, rounded.data_ptr<c10::Half>());
+    } else {
+      fused_host_update<void>(c, param, grad, state, nullptr);
+      if (rounded.defined()) rounded.copy_(param);
+    }
+    return;
+  }
+  update_with_tensor_ops(c, param, grad, state);
+  if (rounded.defined()) rounded.copy_(param);
 }
 
 void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state) {

@@ -30,9 +30,12 @@ struct OptimizerState {
   int64_t step = 0;
 };
 
-/// Applies one step to `param` in place from `grad` (same device and dtype).
+/// Applies one step to `param` in place from `grad` (same device and dtype). With `rounded` (a
+/// tensor of param's size in a narrower dtype, e.g. the bf16 copy that travels to a device), also
+/// writes the updated values, rounded as copy_() rounds, into it: in the same pass over memory
+/// where the update is the host's fused one, else by a copy after it.
 void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
-                      OptimizerState& state);
+                      OptimizerState& state, const torch::Tensor& rounded = {});
 
 /// optimizer_update() from `param`'s own gradient, which is then released (set_to_none); nothing
 /// happens to a parameter without a gradient.

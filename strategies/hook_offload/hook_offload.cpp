@@ -413,11 +413,10 @@ void HookOffload::optimizer_step() {
 
 void HookOffload::update_on_host(Unit& unit) {
   auto trainable = unit.host_param.narrow(0, 0, unit.trainable_numel);
-  optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer);
-  if (unit.host_travel.defined()) {
-    torch::NoGradGuard no_grad;
-    unit.host_travel.narrow(0, 0, unit.trainable_numel).copy_(trainable);
-  }
+  // The travelling copy is written in the update's own pass over memory (the host pass is what
+  // bounds this strategy's step).
+  optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer,
+                   unit.host_travel.defined() ? unit.host_travel.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
 }
 
 torch::Tensor HookOffload::host_copy(size_t p, const torch::Tensor& host_flat) const {

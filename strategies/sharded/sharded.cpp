@@ -383,8 +383,8 @@ void Sharded::update_shard(Unit& unit) {
   if (unit.trainable_in_shard == 0) return;
   auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
   auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
-  optimizer_update(config_.optimizer, p, g, unit.optimizer);
-  if (unit.travel.defined()) unit.travel.narrow(0, 0, unit.trainable_in_shard).copy_(p);
+  optimizer_update(config_.optimizer, p, g, unit.optimizer,
+                   unit.travel.defined() ? unit.travel.narrow(0, 0, unit.trainable_in_shard) : torch::Tensor());
 }
 
 double Sharded::train_step(const models::Batch& batch) {
