@@ -419,15 +419,20 @@ std::set<std::string> shared_parameters(models::BlockModel& model) {
 // allowed difference: a tied parameter's uses are summed by the baseline's autograd in bf16 and by
 // the strategies in fp32 (they take each use's gradient apart), so that parameter's gradient may
 // differ by bf16's rounding of the sum (2^-7 of its largest element) and its update by what that
-// moves (up to 2 lr an element in AdamW's first step); the tied models take one step. The parity
-// bounds above allow bf16's error everywhere; this catches a strategy that rounds once more or
-// once less than the baseline (e.g. accumulating in bf16 under reduce=fp32).
+// moves (up to 2 lr an element in AdamW's first step); the tied models take one step. And on a GPU
+// the strategies that update on the host (their gradients go down: hook_offload, sharded_offload)
+// run the fused host loop where the baseline runs the tensor chain on the device: the same formula
+// rounded in another order, so their parameters may differ by a few fp32 ulps (seen on an H200:
+// 1-2 ulps, gradients and losses bit for bit). The parity bounds above allow bf16's error
+// everywhere; this catches a strategy that rounds once more or once less than the baseline (e.g.
+// accumulating in bf16 under reduce=fp32).
 TEST(Precision, strategies_in_the_baselines_order_match_the_bf16_baseline_bit_for_bit) {
   const auto policy = PrecisionPolicy::parse("bf16");
   const double lr = 1e-3;
   struct Trace {
     std::vector<double> losses;
     std::vector<NamedTensors> grads, params;
+    bool host_optimizer = false;  ///< its gradients went to the host, where its update ran
   };
   for (const auto* preset : {"mlp-tiny", "bert-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
     const auto mc = models::preset(preset).config;
@@ -446,6 +451,7 @@ TEST(Precision, strategies_in_the_baselines_order_match_the_bf16_baseline_bit_fo
       for (int step = 0; step < steps; ++step) {
         for (int k = 0; k < micro; ++k) t.losses.push_back(s->train_step(models::make_batch(mc, 4, 10 * step + k)));
         t.grads.push_back(s->gradients());
+        t.host_optimizer = s->stats().bytes_d2h > 0;
         s->optimizer_step();
         t.params.push_back(s->parameters());
       }
@@ -465,7 +471,14 @@ TEST(Precision, strategies_in_the_baselines_order_match_the_bf16_baseline_bit_fo
       for (size_t k = 0; k < want.losses.size(); ++k) EXPECT_EQ(got.losses[k], want.losses[k]) << "loss " << k;
       auto same = [&](const char* what, const NamedTensors& a, const NamedTensors& b, bool grads, int step) {
         ASSERT_EQ(a.size(), b.size());
+        const bool host_rounding = !grads && got.host_optimizer && test::device().is_cuda();
         for (size_t i = 0; i < a.size(); ++i) {
+          if (host_rounding && !shared.count(a[i].first)) {  // 4 ulps of the larger of the tensor and lr
+            const double scale = std::max(b[i].second.abs().max().item<double>(), lr);
+            EXPECT_LE((a[i].second - b[i].second).abs().max().item<double>(), std::ldexp(scale, -21))
+                << what << " '" << a[i].first << "' (updated on the host) at step " << step;
+            continue;
+          }
           if (!shared.count(a[i].first)) {
             EXPECT_TRUE(torch::equal(a[i].second, b[i].second))
                 << what << " '" << a[i].first << "' at step " << step << ": max |difference| "
