@@ -131,6 +131,33 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
   }
 }
 
+// The collectives under mixed precision, by value: bf16 sums and maxima over Gloo (which has no
+// bfloat16 in LibTorch 1.13: every rank's part gathered and added in rank order) and over NCCL,
+// a bf16 reduce-scatter and gather, and the flag that makes one skip decision for every rank.
+TEST(Distributed, bf16_collectives_and_the_every_rank_flag_hold_by_value) {
+  const auto device = test::device();
+  auto group = distributed::group_for(device);
+  const int64_t w = world(), r = rank();
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+  // Small integers: exact in bf16, so any order of summing gives the same.
+  auto sum = torch::full({5}, static_cast<double>(r + 1), bf16);
+  group->all_reduce(sum).wait();
+  EXPECT_TRUE(torch::equal(sum.cpu(), torch::full({5}, static_cast<double>(w * (w + 1) / 2), torch::kBFloat16)));
+  auto largest = torch::full({3}, static_cast<double>(r + 1), bf16);  // from two ranks on, not the sum
+  group->all_reduce(largest, /*max=*/true).wait();
+  EXPECT_TRUE(torch::equal(largest.cpu(), torch::full({3}, static_cast<double>(w), torch::kBFloat16)));
+  // Reduce-scatter: element k of every rank's input is k; this rank's slice sums to w x k.
+  auto in = torch::arange(2 * w, bf16);
+  auto out = torch::empty({2}, bf16);
+  group->reduce_scatter(out, in).wait();
+  EXPECT_TRUE(torch::equal(out.cpu(), (torch::arange(2 * r, 2 * r + 2) * w).to(torch::kBFloat16)));
+  auto gathered = torch::empty({3 * w}, bf16);
+  group->all_gather(gathered, torch::full({3}, static_cast<double>(r), bf16)).wait();
+  EXPECT_TRUE(torch::equal(gathered.cpu(), torch::arange(w).repeat_interleave(3).to(torch::kBFloat16)));
+  EXPECT_TRUE(distributed::on_every_rank(*group, true, device));
+  EXPECT_EQ(distributed::on_every_rank(*group, r != w - 1, device), false) << "the last rank said no";
+}
+
 // Mixed precision over the ranks: gathered in bf16, gradients reduce-scattered in fp32 or in bf16
 // (over Gloo a bf16 sum is every rank's part added in rank order), against the float64 reference
 // within bf16's bounds; tied presets and BERT.
