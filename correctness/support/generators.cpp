@@ -2,6 +2,7 @@
 
 #include "strategies/distributed/process_group.h"
 #include "strategies/pipeline/schedule.h"
+#include "strategies/strategy.h"
 
 namespace strata::correctness {
 
@@ -293,9 +294,27 @@ const std::map<std::string, StrategyTraits>& strategy_traits() {
   return all;
 }
 
+namespace {
+
+// Whether `strategy` trains in bf16: asked of the strategy itself (built under fp32 on the CPU
+// with the options it requires), so a user's own registered strategy that does not is given fp32
+// cases only. One that cannot be built so is taken to be fp32 only.
+bool trains_in_bf16(const std::string& strategy) {
+  try {
+    StrategyConfig config;
+    config.options = Registry::required_options(strategy);
+    return Registry::create(strategy, config)->supports(PrecisionPolicy::parse("bf16"));
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
 rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices) {
   auto found = strategy_traits().find(strategy);
   const StrategyTraits traits = found == strategy_traits().end() ? StrategyTraits{} : found->second;
+  const bool bf16 = trains_in_bf16(strategy);
   auto models = rc::gen::oneOf(rc::gen::map(gen_model_config(),
                                             [](models::ModelConfig m) {
                                               ParityCase c;
@@ -307,7 +326,7 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
                                  c.chain = spec;
                                  return c;
                                }));
-  return rc::gen::mapcat(models, [traits, devices](const ParityCase& base) {
+  return rc::gen::mapcat(models, [traits, devices, bf16](const ParityCase& base) {
     auto options = traits.options ? traits.options(shape_of(base), devices) : rc::gen::just(Options{});
     // BatchNorm over two samples is degenerate: it maps any input to exactly +-1, so every gradient
     // before it is rounding noise amplified by 1 / (the two samples' spread), and runs of the same
@@ -316,19 +335,19 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
     int min_batch = base.chain && base.chain->has("bn") ? 4 : 1;
     // Data parallel: at least one sample per rank; the draws above it make uneven splits.
     if (traits.data_parallel) min_batch = std::max(min_batch, distributed::environment().world_size);
-    return rc::gen::mapcat(options, [base, traits, min_batch](Options opts) {
+    return rc::gen::mapcat(options, [base, traits, min_batch, bf16](Options opts) {
       const int least = traits.micro_batches ? std::max(min_batch, traits.micro_batches(opts)) : min_batch;
-      // A third of the cases train in bf16 (bounds from bf16's rounding), except models with
-      // floating-point buffers, which every strategy refuses outside fp32.
-      const bool buffers = base.chain && (base.chain->has("bn") || base.chain->has("table"));
+      // A third of the cases train in bf16 (bounds from bf16's rounding) where the strategy does,
+      // except models with floating-point buffers, which every strategy refuses outside fp32.
+      const bool fp32_only = !bf16 || (base.chain && (base.chain->has("bn") || base.chain->has("table")));
       return rc::gen::apply(
-          [base, opts, buffers](int batch, unsigned seed, bool ignore, int precision) {
+          [base, opts, fp32_only](int batch, unsigned seed, bool ignore, int precision) {
             ParityCase c = base;
             c.batch_size = batch;
             c.seed = seed;
             c.ignore_targets = ignore;
             c.options = opts;
-            if (precision == 0 && !buffers) c.precision = PrecisionPolicy::parse("bf16");
+            if (precision == 0 && !fp32_only) c.precision = PrecisionPolicy::parse("bf16");
             return c;
           },
           uniform(least, least + 5), uniform(0u, 1000u), rc::gen::arbitrary<bool>(), uniform(0, 3));

@@ -57,8 +57,9 @@ const std::map<std::string, StrategyTraits>& strategy_traits();
 
 /// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with
 /// BatchNorm; world size and up for data-parallel strategies), a seed, ignored targets or not,
-/// the strategy's options, and fp32 or (a third of the cases, models without floating-point
-/// buffers) bf16. `devices` lists what the machine offers for multi-device strategies.
+/// the strategy's options, and fp32 or (a third of the cases, where the strategy trains in bf16
+/// and the model has no floating-point buffers) bf16. `devices` lists what the machine offers for
+/// multi-device strategies.
 rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices);
 
 }  // namespace strata::correctness
