@@ -132,8 +132,10 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
 }
 
 // The collectives under mixed precision, by value: bf16 sums and maxima over Gloo (which has no
-// bfloat16 in LibTorch 1.13: every rank's part gathered and added in rank order) and over NCCL,
-// a bf16 reduce-scatter and gather, and the flag that makes one skip decision for every rank.
+// bfloat16 in LibTorch 1.13: every rank's part gathered and added) and over NCCL, a bf16
+// reduce-scatter and gather, and the flag that makes one skip decision for every rank. The values
+// are small integers, exact in bf16 in any order of summing: this checks what is summed, not the
+// order.
 TEST(Distributed, bf16_collectives_and_the_every_rank_flag_hold_by_value) {
   const auto device = test::device();
   auto group = distributed::group_for(device);

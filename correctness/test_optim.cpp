@@ -63,8 +63,9 @@ TEST(Optimizers, adamw_matches_libtorch_on_the_fused_path) { expect_same_traject
 TEST(Optimizers, adamw_matches_libtorch_on_the_tensor_path) { expect_same_trajectory(OptimizerKind::adamw, Path::chain, test::device()); }
 
 // The rounded copy an update can write (the bf16 or fp16 weights that travel to a device): after
-// each step it equals the updated parameter cast by copy_(), element for element, on both paths;
-// the fused one over enough elements to be split over threads.
+// each step it equals the updated parameter cast by copy_(), element for element. What this tests
+// is the fused host loop's own conversion, over enough elements to be split over threads; the
+// chain path (which is copy_() itself) is run for completeness.
 TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
   for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw})
     for (auto dtype : {torch::kBFloat16, torch::kHalf})

@@ -209,6 +209,17 @@ TEST(Precision, the_loss_scaler_skips_a_step_with_an_overflow_lowers_the_scale_a
   EXPECT_EQ(on_device[4].item<float>(), 3.0f);
   auto device_nan = torch::tensor({1.0f, std::nanf("")}, torch::TensorOptions().device(test::device()));
   EXPECT_FALSE(scaler.unscale({on_device, device_nan}));
+  // Below a scale of 1, unscaling enlarges: a finite gradient that overflows on the way is not
+  // finite (the GPU's fused kernel checks its input only, so that case takes the checked path).
+  LossScaler small(PrecisionPolicy::parse("fp16,scale=0.5"));
+  auto huge = torch::full({4}, 3e38f, torch::TensorOptions().device(test::device()));
+  EXPECT_FALSE(small.unscale({huge}));
+  // unscaled() (what gradients() report) is what unscale() leaves, at a scale that is no power of two.
+  LossScaler odd(PrecisionPolicy::parse("fp16,scale=1000"));
+  auto g3 = torch::randn({1 << 10}, torch::TensorOptions().device(test::device())) * 1000;
+  const auto reported = odd.unscaled(g3);
+  EXPECT_TRUE(odd.unscale({g3}));
+  EXPECT_TRUE(torch::equal(reported, g3));
   // Other dtypes do not scale.
   LossScaler none(PrecisionPolicy::parse("bf16"));
   EXPECT_FALSE(none.enabled());

@@ -211,17 +211,19 @@ bool scale_host_and_check(torch::Tensor& t, float factor) {
 bool LossScaler::unscale(const std::vector<torch::Tensor>& gradients) const {
   if (!enabled_) return true;
   torch::NoGradGuard no_grad;
-  // Multiplied by 1 / scale (exact: the scale is the initial one times a power of two, and the
-  // same operation on every device). On a GPU, one multi-tensor kernel per device that also
-  // records any inf or nan on the device; on the host, one threaded pass per tensor. One host
-  // synchronisation per device, when all of them are queued.
+  // Multiplied by 1 / scale as an fp32 factor, the same operation on every device and in
+  // unscaled(). On a GPU, one multi-tensor kernel per device that also records any inf or nan on
+  // the device; on the host, one threaded pass per tensor. One host synchronisation per device,
+  // when all of them are queued. The GPU kernel checks its input, not its result: with a scale
+  // below 1 (after many skipped steps, or so chosen) a finite gradient can overflow when
+  // unscaled, so then every tensor takes the general path, which checks the result.
   const float inverse = static_cast<float>(1.0 / scale_);
   std::map<std::string, std::vector<torch::Tensor>> on_gpu, flags_by_device;
   bool finite = true;
   for (const auto& g : gradients) {
     if (!g.defined()) continue;
     auto t = g;
-    if (t.is_cuda() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kHalf)) {
+    if (t.is_cuda() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kHalf) && inverse <= 1.0f) {
       on_gpu[t.device().str() + dtype_name(t.scalar_type())].push_back(t);
     } else if (t.is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous()) {
       finite = scale_host_and_check(t, inverse) && finite;
@@ -238,6 +240,12 @@ bool LossScaler::unscale(const std::vector<torch::Tensor>& gradients) const {
   }
   for (const auto& [device, flags] : flags_by_device) finite = torch::stack(flags).all().item<bool>() && finite;
   return finite;
+}
+
+torch::Tensor LossScaler::scaled(const torch::Tensor& loss) const { return enabled_ ? loss * scale_ : loss; }
+
+torch::Tensor LossScaler::unscaled(const torch::Tensor& gradient) const {
+  return enabled_ ? gradient * static_cast<float>(1.0 / scale_) : gradient;
 }
 
 void LossScaler::update(bool finite) {

@@ -107,8 +107,13 @@ class LossScaler {
   explicit LossScaler(const PrecisionPolicy& policy);
   bool enabled() const { return enabled_; }
   double scale() const { return scale_; }
-  /// Divides every defined gradient by scale() in place; true if all are finite.
+  /// Multiplies every defined gradient by 1 / scale() (as an fp32 factor) in place; true if all
+  /// the results are finite.
   bool unscale(const std::vector<torch::Tensor>& gradients) const;
+  /// `loss` times scale(), what backward starts from; `loss` itself when disabled.
+  torch::Tensor scaled(const torch::Tensor& loss) const;
+  /// A gradient as unscale() leaves it (a new tensor); `gradient` itself when disabled.
+  torch::Tensor unscaled(const torch::Tensor& gradient) const;
   /// After each optimizer step: `finite` false means the step was skipped.
   void update(bool finite);
   int64_t skipped_steps() const { return skipped_; }

@@ -55,7 +55,7 @@ double Baseline::train_step(const models::Batch& batch) {
   auto& m = model();
   ComputeCopies::Scope bound(copies_);  // the blocks compute in the policy's dtype until backward is done
   auto loss = m.loss(run_blocks(input, options_.checkpoint), target);
-  (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
+  scaler_.scaled(loss).backward();
   bound.commit();
   return loss.item<double>();
 }
@@ -89,7 +89,7 @@ NamedTensors Baseline::gradients() {
   for (const auto& p : model().parameters()) {
     const auto& g = p.tensor.grad();
     // Reported unscaled: what the optimizer will apply.
-    grads.push_back({p.name, g.defined() ? g / scaler_.scale() : torch::zeros_like(p.tensor), p.owner_block});
+    grads.push_back({p.name, g.defined() ? scaler_.unscaled(g) : torch::zeros_like(p.tensor), p.owner_block});
   }
   return host_copies(grads);
 }

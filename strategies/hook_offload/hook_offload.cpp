@@ -361,7 +361,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
     auto loss = m.loss(x, target);
     x = torch::Tensor();
-    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
+    scaler_.scaled(loss).backward();
     clean_up(false);
     return loss.item<double>();
   } catch (...) {
@@ -433,7 +433,7 @@ NamedTensors HookOffload::gradients() {
     const auto& unit = units_[param_slot_[p].first];
     const bool has = unit.grad_filled && params[p].tensor.requires_grad();
     auto g = has ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes());
-    out.emplace_back(params[p].name, scaler_.enabled() ? g / scaler_.scale() : g);  // unscaled: what the step applies
+    out.emplace_back(params[p].name, scaler_.unscaled(g));  // what the step applies
   }
   return out;
 }

@@ -433,7 +433,7 @@ double ManualSplit::train_step(const models::Batch& batch) {
   try {
     ComputeCopies::Scope bound(copies_);  // the stages compute in the policy's dtype until backward is done
     run_blocks(config_.precision.cast_input(batch.input.to(devices_.front())), batch.target, &loss);
-    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();
+    scaler_.scaled(loss).backward();
     bound.commit();
   } catch (...) {
     for (auto& kept : kept_) kept = {};  // a failed step keeps no activations
@@ -509,7 +509,7 @@ NamedTensors ManualSplit::gradients() {
         for (auto& r : replicas_)
           if (r.param == static_cast<int64_t>(p) && r.value.grad().defined()) g = g + r.value.grad().cpu();
     }
-    out.emplace_back(params[p].name, scaler_.enabled() ? g / scaler_.scale() : g);  // unscaled: what the step applies
+    out.emplace_back(params[p].name, scaler_.unscaled(g));  // what the step applies
   }
   return out;
 }

@@ -643,7 +643,7 @@ void Pipeline::run_action(Run& run, const pipeline::Action& a) {
       auto loss = m.loss_sum(out, run.targets[i].to(dev)) / run.target_count;
       // fp16: the loss scale enters here, so every gradient behind it carries it.
       if (out.requires_grad())
-        state.loss_grad = torch::autograd::grad({scaler_.enabled() ? loss * scaler_.scale() : loss}, {out})[0];
+        state.loss_grad = torch::autograd::grad({scaler_.scaled(loss)}, {out})[0];
       run.losses[i] = loss.detach();
       stop_timer();
     } else {
@@ -775,7 +775,18 @@ double Pipeline::train_step(const models::Batch& batch) {
   for (auto* w : busy) w->drain();  // run_rank and receive_from catch their own errors
   if (c10d_) {
     device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
-    finish_remote_step(run);
+    try {
+      finish_remote_step(run);
+    } catch (...) {
+      // The compute copies are released on the way out: nothing queued may still read them.
+      for (const auto& d : rank_devices_) {
+        try {
+          device::synchronize(d);
+        } catch (...) {  // the step's own error is the one to report
+        }
+      }
+      throw;
+    }
   }
   for (const auto& d : rank_devices_) device::synchronize(d);
   bound.commit();  // the masters back: the sums below are taken in their dtype
@@ -879,7 +890,9 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
     shape = shape.cpu();
     std::vector<int64_t> sizes;
     for (int64_t k = 0; k < shape[0].item<int64_t>(); ++k) sizes.push_back(shape[k + 1].item<int64_t>());
-    auto out = mine ? x.to(torch::kFloat).contiguous() : torch::zeros(sizes, torch::TensorOptions().device(dev));
+    // In the compute dtype, as every strategy's forward returns it.
+    const auto dtype = config_.precision.compute;
+    auto out = mine ? x.to(dtype).contiguous() : torch::zeros(sizes, torch::TensorOptions().dtype(dtype).device(dev));
     group_->all_reduce(out).wait();
     return out;
   }
@@ -964,7 +977,7 @@ NamedTensors Pipeline::gradients() {
     std::vector<models::NamedParameter> grads;
     for (size_t i = 0; i < params.size(); ++i) {
       // As the optimizer will see them: without the loss scale (fp16).
-      auto g = grads_[i].defined() ? grads_[i] / scaler_.scale()
+      auto g = grads_[i].defined() ? scaler_.unscaled(grads_[i])
                                    : torch::zeros(params[i].tensor.sizes(), params[i].tensor.options());
       grads.push_back({params[i].name, g, params[i].owner_block});
     }
@@ -972,7 +985,7 @@ NamedTensors Pipeline::gradients() {
   }
   NamedTensors out;
   for (size_t i = 0; i < params.size(); ++i)
-    out.emplace_back(params[i].name, grads_[i].defined() ? (grads_[i] / scaler_.scale()).detach().cpu().clone()
+    out.emplace_back(params[i].name, grads_[i].defined() ? scaler_.unscaled(grads_[i]).detach().cpu().clone()
                                                          : torch::zeros(params[i].tensor.sizes()));
   return out;
 }

@@ -84,6 +84,9 @@ Sharded::Sharded(std::string name, const StrategyConfig& config, ShardedOptions 
       device_(compute_device(config.device)),
       scaler_(config.precision) {
   device::check_available(device_);
+  // Registry::create asks too; a Sharded made directly must not take what it cannot honour.
+  STRATA_CHECK(supports(config_.precision), name_ << ": does not train in precision " << config_.precision.to_string()
+                                                  << " with these options (" << options_.to_string() << ")");
 }
 
 bool Sharded::supports(const PrecisionPolicy& policy) const {
@@ -412,7 +415,7 @@ double Sharded::train_step(const models::Batch& batch) {
     for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
     auto loss = m.loss_sum(x, target) / counted;
     x = torch::Tensor();
-    (scaler_.enabled() ? loss * scaler_.scale() : loss).backward();  // fp16: the scale rides the gradients
+    scaler_.scaled(loss).backward();  // fp16: the scale rides the gradients
     finish_reductions();
     clean_up();
     local = loss.item<double>();
@@ -518,7 +521,7 @@ NamedTensors Sharded::full_tensors(bool grads) {
 NamedTensors Sharded::gradients() {
   auto out = full_tensors(/*grads=*/true);
   if (scaler_.enabled())  // as the optimizer will see them: without the loss scale
-    for (auto& [name, g] : out) g.div_(scaler_.scale());
+    for (auto& [name, g] : out) g = scaler_.unscaled(g);
   return out;
 }
 NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
