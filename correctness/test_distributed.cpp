@@ -83,14 +83,17 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
   // gather receives (W-1)/W of the padded unit. Each unit is reduce-scattered once: (W-1)/W of it
   // with NCCL, 2 (W-1)/W with Gloo (an all-reduce). The loss's all-reduce adds 2 (W-1)/W x 8 bytes.
   // Under bf16 the units are gathered in bf16 (half the gathers' bytes and of the gathered peak);
-  // the shards and their reduction stay fp32.
+  // the shards stay fp32, and so does the reduction unless reduce=bf16: then half the bytes with
+  // NCCL, and with Gloo (no bf16 there) an all-gather of every rank's whole buffer, (W-1) of it.
   const auto config = models::preset("gpt-tiny").config;
   auto model = models::build_model(config, 0);
   const auto plan = plan_units(model);
   const double w = world();
   const bool nccl = distributed::group_for(test::device())->backend() == "nccl";
-  for (const auto* precision : {"fp32", "bf16"}) {
-  const double gathered = std::string(precision) == "bf16" ? 0.5 : 1.0;
+  for (const auto* precision : {"fp32", "bf16", "bf16,reduce=bf16"}) {
+  const double gathered = std::string(precision) == "fp32" ? 1.0 : 0.5;
+  const bool reduce_bf16 = std::string(precision) == "bf16,reduce=bf16";
+  const double reduced = nccl ? (reduce_bf16 ? 0.5 : 1.0) * (w - 1) / w : reduce_bf16 ? 0.5 * (w - 1) : 2.0 * (w - 1) / w;
   double expected = 2.0 * 8 * (w - 1) / w;
   int64_t shard_bytes = 0, widest_window = 0;
   std::vector<int64_t> padded(plan.units.size());
@@ -99,7 +102,7 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     for (auto p : plan.units[u]) numel += model.parameters()[p].tensor.numel();
     padded[u] = (numel + world() - 1) / world() * world() * 4;
     shard_bytes += padded[u] / world();
-    expected += gathered * 2.0 * plan.users[u] * padded[u] * (w - 1) / w + padded[u] * (nccl ? 1.0 : 2.0) * (w - 1) / w;
+    expected += gathered * 2.0 * plan.users[u] * padded[u] * (w - 1) / w + padded[u] * reduced;
   }
   for (const auto& window : plan.windows) {
     int64_t bytes = 0;
@@ -107,7 +110,7 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     widest_window = std::max(widest_window, static_cast<int64_t>(gathered * bytes));
   }
   for (bool offload : {false, true}) {
-    if (std::string(precision) == "bf16" && offload) continue;  // as fp32's; its host copies: test_precision
+    if (std::string(precision) != "fp32" && offload) continue;  // as fp32's; its host copies: test_precision
     SCOPED_TRACE(precision);
     auto s = make_sharded({{"prefetch", "1"}}, offload, precision);
     s->attach(models::build_model(config, 0));

@@ -325,8 +325,12 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
     unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
     reducing_.push_back(static_cast<int64_t>(u));
     const auto w = static_cast<double>(world_size());
-    count_collective(unit.padded * reduced_element(),
-                     group_->backend() == "nccl" ? (w - 1) / w : 2 * (w - 1) / w);  // Gloo: all-reduce
+    // NCCL: a reduce-scatter. Gloo: an all-reduce, or for bf16 (which Gloo lacks) an all-gather
+    // of every rank's whole buffer.
+    const bool gloo_bf16 = group_->backend() != "nccl" && config_.precision.reduce == torch::kBFloat16;
+    count_collective(unit.padded * reduced_element(), group_->backend() == "nccl" ? (w - 1) / w
+                                                      : gloo_bf16                 ? w - 1
+                                                                                  : 2 * (w - 1) / w);
   }
 }
 
