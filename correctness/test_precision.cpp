@@ -9,6 +9,7 @@
 #include <set>
 
 #include "correctness/support/errors.h"
+#include "correctness/support/generators.h"
 #include "correctness/support/parity.h"
 #include "correctness/support/test_device.h"
 #include "models/check.h"
@@ -30,11 +31,11 @@ StrategyConfig config_for(const std::string& name, const PrecisionPolicy& policy
   return config;
 }
 
-// The registered strategies that train under `policy` (each asked, built under fp32).
+// The registered strategies that train under `policy`.
 std::vector<std::string> strategies_under(const PrecisionPolicy& policy) {
   std::vector<std::string> out;
   for (const auto& name : Registry::names())
-    if (Registry::create(name, config_for(name))->supports(policy)) out.push_back(name);
+    if (correctness::strategy_supports(name, policy)) out.push_back(name);
   return out;
 }
 
@@ -414,13 +415,13 @@ TEST(Precision, strategies_that_train_in_bf16_match_the_reference_within_its_bou
 
 
 // The names of `model`'s parameters that several blocks use (a tied embedding and head).
-std::set<std::string> shared_parameters(models::BlockModel& model) {
-  std::map<const void*, int> uses;
-  for (const auto& block : model.blocks())
-    for (const auto& t : block->parameters()) ++uses[t.unsafeGetTensorImpl()];
+std::set<std::string> shared_parameters(const models::BlockModel& model) {
+  std::vector<int> uses(model.parameters().size(), 0);
+  for (const auto& block : model.block_parameters())
+    for (auto i : block) ++uses[static_cast<size_t>(i)];
   std::set<std::string> out;
-  for (const auto& p : model.parameters())
-    if (uses[p.tensor.unsafeGetTensorImpl()] > 1) out.insert(p.name);
+  for (size_t i = 0; i < uses.size(); ++i)
+    if (uses[i] > 1) out.insert(model.parameters()[i].name);
   return out;
 }
 

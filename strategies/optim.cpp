@@ -1,9 +1,7 @@
 #include "strategies/optim.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <thread>
 #include <type_traits>
 #include <sstream>
 

@@ -1,5 +1,7 @@
 #include "correctness/support/generators.h"
 
+#include <mutex>
+
 #include "strategies/distributed/process_group.h"
 #include "strategies/pipeline/schedule.h"
 #include "strategies/strategy.h"
@@ -294,27 +296,27 @@ const std::map<std::string, StrategyTraits>& strategy_traits() {
   return all;
 }
 
-namespace {
-
-// Whether `strategy` trains in bf16: asked of the strategy itself (built under fp32 on the CPU
-// with the options it requires), so a user's own registered strategy that does not is given fp32
-// cases only. One that cannot be built so is taken to be fp32 only.
-bool trains_in_bf16(const std::string& strategy) {
+bool strategy_supports(const std::string& strategy, const PrecisionPolicy& policy) {
+  // Asked once per strategy and policy: a property asks for every case it draws.
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, std::string>, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(strategy, policy.to_string());
+  if (auto found = known.find(key); found != known.end()) return found->second;
+  bool supported = false;
   try {
     StrategyConfig config;
     config.options = Registry::required_options(strategy);
-    return Registry::create(strategy, config)->supports(PrecisionPolicy::parse("bf16"));
+    supported = Registry::create(strategy, config)->supports(policy);
   } catch (const std::exception&) {
-    return false;
   }
+  return known[key] = supported;
 }
-
-}  // namespace
 
 rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vector<std::string>& devices) {
   auto found = strategy_traits().find(strategy);
   const StrategyTraits traits = found == strategy_traits().end() ? StrategyTraits{} : found->second;
-  const bool bf16 = trains_in_bf16(strategy);
+  const bool bf16 = strategy_supports(strategy, PrecisionPolicy::parse("bf16"));
   auto models = rc::gen::oneOf(rc::gen::map(gen_model_config(),
                                             [](models::ModelConfig m) {
                                               ParityCase c;

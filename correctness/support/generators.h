@@ -55,6 +55,11 @@ struct StrategyTraits {
 /// Strategy name -> its traits; a strategy with options or limits adds itself here.
 const std::map<std::string, StrategyTraits>& strategy_traits();
 
+/// Whether `strategy` trains under `policy`: asked of the strategy itself, built under fp32 on the
+/// CPU with the options it requires (one that cannot be built so: no). A user's own registered
+/// strategy that trains in fp32 only is given fp32 cases only.
+bool strategy_supports(const std::string& strategy, const PrecisionPolicy& policy);
+
 /// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with
 /// BatchNorm; world size and up for data-parallel strategies), a seed, ignored targets or not,
 /// the strategy's options, and fp32 or (a third of the cases, where the strategy trains in bf16

@@ -184,7 +184,6 @@ class C10dGroup : public Group {
       return launch("reduce-scatter", [this, o = torch::Tensor(out), i = torch::Tensor(in)]() mutable { return impl_->_reduce_scatter_base(o, i); });
     }
     // Gloo in LibTorch 1.13 has no reduce-scatter: all-reduce the whole, keep this rank's slice.
-    auto slice = in.narrow(0, rank_ * out.numel(), out.numel());
     if (in.scalar_type() == torch::kBFloat16) {
       auto sum = std::make_shared<torch::Tensor>();
       return launch("reduce-scatter", gloo_bf16_sum_start(in, sum), [this, out, sum]() mutable {
@@ -192,6 +191,7 @@ class C10dGroup : public Group {
         out.copy_(sum_in_rank_order(*sum, out.numel(), rank_ * out.numel(), false));
       });
     }
+    auto slice = in.narrow(0, rank_ * out.numel(), out.numel());
     return launch(
         "reduce-scatter",
         [this, in] {
