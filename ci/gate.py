@@ -12,7 +12,9 @@ A cell fails when
 - it keeps its optimizer on the host (counter optimizer_on_host = 1) and the two runs come from
   hosts of different classes (CPU model and cores, or measured host triad more than 10% apart):
   then only its device-side time (fwd_bwd_ms) is gated, since the host's memory bandwidth, not the
-  code, sets the rest;
+  code, sets the rest; a host-bound cell whose forward waits for host updates (counter
+  fetches_behind_host_updates > 0: updates deferred into the next step) has no device-side time,
+  and across host classes only its memory is gated (listed);
 - the peak allocated memory of any of its devices rose more than --memory-rise;
 - it ran in the baseline and is missing now, failed parity, errored, or ran out of memory now;
 - the baseline cell itself failed (other than out of memory): such a baseline protects nothing,
@@ -114,22 +116,28 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
         if now["error"] is not None:
             failures.append(f"{name}: {now['error'][:200]}")
             continue
-        host_bound = any(r.get("optimizer_on_host") for r in base["reps"] + now["reps"])
+        rows = base["reps"] + now["reps"]
+        host_bound = any(r.get("optimizer_on_host") for r in rows)
+        waits_for_host = any(r.get("fetches_behind_host_updates", 0) > 0 for r in rows)
         key = "items_per_second"
         if host_bound and not same_host:
-            key = "fwd_bwd_ms"
-        b, n = median(base["reps"], key), median(now["reps"], key)
-        ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
-        noise = spread(base["reps"], key)
-        threshold = min(args.max_drop, max(args.min_drop, args.spread_multiple * noise))
-        if args.spread_multiple * noise > args.max_drop:
-            notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(base['reps'])} repetitions) would allow a "
-                         f"{args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it with more repetitions)")
-        table.append((name, key, ratio, threshold, len(now["reps"]), len(base["reps"])))
-        if ratio < 1.0 - threshold:
-            what = "throughput" if key == "items_per_second" else "device time (fwd+bwd; host CPUs differ)"
-            failures.append(f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: "
-                            f"baseline spread {noise:.1%} over {len(base['reps'])} repetitions)")
+            key = None if waits_for_host else "fwd_bwd_ms"
+        if key is None:
+            notes.append(f"{name}: its forward waits for host updates (fetches_behind_host_updates > 0) and the host "
+                         f"classes differ: no time of it is comparable, only its memory is gated")
+        else:
+            b, n = median(base["reps"], key), median(now["reps"], key)
+            ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
+            noise = spread(base["reps"], key)
+            threshold = min(args.max_drop, max(args.min_drop, args.spread_multiple * noise))
+            if args.spread_multiple * noise > args.max_drop:
+                notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(base['reps'])} repetitions) would allow a "
+                             f"{args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it with more repetitions)")
+            table.append((name, key, ratio, threshold, len(now["reps"]), len(base["reps"])))
+            if ratio < 1.0 - threshold:
+                what = "throughput" if key == "items_per_second" else "device time (fwd+bwd; host CPUs differ)"
+                failures.append(f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: "
+                                f"baseline spread {noise:.1%} over {len(base['reps'])} repetitions)")
         pb, pn = peaks(base["reps"]), peaks(now["reps"])
         for dev, bytes_base in sorted(pb.items()):
             if dev not in pn:

@@ -17,13 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gate  # noqa: E402
 
 
-def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5):
+def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5, behind=0.0):
     """n repetitions of a cell around `ips` items/s, spread evenly over +-spread/2."""
     rows = []
     for i in range(n):
         f = 1.0 + spread * (i / (n - 1) - 0.5) if n > 1 else 1.0
         r = {"name": f"{name}/iterations:3/manual_time/repeats:{n}", "run_type": "iteration", "repetition_index": i,
              "items_per_second": ips * f, "fwd_bwd_ms": fwd_bwd_ms / f, "optimizer_on_host": host_bound,
+             "fetches_behind_host_updates": behind,
              "peak_allocated_bytes": 10 * 2**30}
         r.update(peaks or {})
         rows.append(r)
@@ -155,6 +156,18 @@ def gates_host_bound_cells_on_device_time_when_hosts_differ():
     slower_device = reps("h/m", 700, fwd_bwd_ms=120.0, host_bound=1)
     expect(*run(slower_device, base, host_now="cpu-b"), 1, "device time")
     expect(*run(slower_host, base), 1, "throughput 0.700")  # same host: the whole step counts
+
+
+@case
+def gates_only_memory_of_cells_waiting_for_host_updates_when_hosts_differ():
+    # Updates deferred into the next step: fwd_bwd_ms holds host time, so across host classes
+    # neither time is compared; memory still is, and on one host class the whole step is.
+    base = reps("d/m", 1000, fwd_bwd_ms=100.0, host_bound=1, behind=20.0)
+    slower_host = reps("d/m", 700, fwd_bwd_ms=140.0, host_bound=1, behind=20.0)
+    expect(*run(slower_host, base, host_now="cpu-b"), 0, "only its memory is gated")
+    grown = reps("d/m", 700, fwd_bwd_ms=140.0, host_bound=1, behind=20.0, peaks={"peak_allocated_bytes": 11 * 2**30})
+    expect(*run(grown, base, host_now="cpu-b"), 1, "peak_allocated_bytes")
+    expect(*run(slower_host, base), 1, "throughput 0.700")
 
 
 @case

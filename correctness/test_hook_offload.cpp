@@ -3,6 +3,9 @@
 // double-load scenario; asynchrony under injected delays, including a deliberately missing wait
 // that these tests must catch.
 #include <atomic>
+#include <chrono>
+#include <functional>
+#include <optional>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -33,6 +36,48 @@ models::ModelConfig gpt(int64_t depth, int64_t width) {
   c.width = width;
   return c;
 }
+
+// Opens a gate from another thread once ready() holds or `limit` has passed (forced() then
+// says so), or at once when destroyed, and joins that thread then: an exception in the test
+// body fails the test rather than ending the process on a joinable thread.
+class OpenLater {
+ public:
+  OpenLater(std::shared_ptr<device::Gate> gate, std::chrono::milliseconds limit,
+            std::function<bool()> ready = [] { return false; })
+      : gate_(std::move(gate)), thread_([this, limit, ready = std::move(ready)] {
+          const auto until = std::chrono::steady_clock::now() + limit;
+          while (!gate_->is_open() && !ready()) {
+            if (std::chrono::steady_clock::now() >= until) {
+              forced_ = true;
+              break;
+            }
+            std::this_thread::sleep_for(1ms);
+          }
+          gate_->open();
+        }) {}
+  ~OpenLater() {
+    gate_->open();
+    join();
+  }
+  OpenLater(const OpenLater&) = delete;
+  OpenLater& operator=(const OpenLater&) = delete;
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  bool forced() const { return forced_; }
+
+ private:
+  std::shared_ptr<device::Gate> gate_;
+  std::atomic<bool> forced_{false};
+  std::thread thread_;
+};
+
+// Opens a gate when it goes out of scope, on every path (a strategy whose updates wait on it
+// drains them when destroyed).
+struct OpenOnExit {
+  std::shared_ptr<device::Gate> gate;
+  ~OpenOnExit() { gate->open(); }
+};
 
 // Bytes of the parameters block `b` uses, counted from the model (not from the strategy).
 int64_t window_bytes(const models::BlockModel& m, int64_t b) {
@@ -281,18 +326,12 @@ TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
       s->hold_gradient_copies(gate);
       // Should train_step itself wait for a held copy, the gate opens after a while and the test
       // fails below instead of hanging.
-      std::atomic<bool> forced{false};
-      std::thread guard([&] {
-        if (!gate->wait_for(30s)) {
-          forced = true;
-          gate->open();
-        }
-      });
+      OpenLater guard(gate, 30s);
       s->train_step(batch);
       const bool in_flight = s->gradients_in_flight();
       gate->open();
       guard.join();
-      EXPECT_FALSE(forced) << where << ": train_step waited for its own gradient copies to the host";
+      EXPECT_FALSE(guard.forced()) << where << ": train_step waited for its own gradient copies to the host";
       EXPECT_TRUE(in_flight) << where << ": no copy was running when train_step returned";
       s->finish_backward();
       EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
@@ -327,6 +366,93 @@ TEST(HookOffload, overlapped_optimizer_refuses_gradient_accumulation) {
   } catch (const Error& e) {
     EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("overlap_optimizer=1"));
   }
+}
+
+// overlap_optimizer=1 returns from optimizer_step with host updates still to run: they finish
+// while the next step's forward runs, and each block's fetch must wait for its own units. The
+// first step's updates are held behind a gate until the second step has queued a fetch behind
+// one of them, so its forward surely reaches blocks whose updates have not run; its loss and the
+// parameters after it must equal those of hook_offload with its optimizer after backward. A fetch
+// that does not wait reads the weights from before the update (seen failing that way). gpt-tiny
+// and mlp-tied-tiny are tied (the embedding's update is the last to become ready and the first
+// needed); resident=0 keeps block 0 on the device, whose copy is refreshed behind its update
+// instead of fetched (with a tied first block, the case where a GPU host ran into the next
+// backward before the update that its gradients wait for).
+TEST(HookOffload, the_next_forward_waits_for_every_overlapped_update) {
+  for (const auto* preset : {"gpt-tiny", "mlp-tiny", "mlp-tied-tiny"}) {
+    for (const auto& extra : std::vector<std::map<std::string, std::string>>{
+             {{"prefetch", "0"}}, {{"prefetch", "2"}}, {{"prefetch", "1"}, {"resident", "0"}}}) {
+      auto options = extra;
+      StrategyConfig base;
+      base.optimizer.lr = 0.05;  // a step moves the loss well above rounding
+      const auto config = models::preset(preset).config;
+      const auto first = models::make_batch(config, 2, 1), second = models::make_batch(config, 2, 2);
+      std::string where = preset;
+      for (const auto& [k, v] : extra) where += " " + k + "=" + v;
+
+      auto reference = make_offload(options, base);  // the optimizer after backward
+      options["overlap_optimizer"] = "1";
+      reference->attach(models::build_model(config, 0));
+      reference->train_step(first);
+      reference->optimizer_step();
+      const double expected_loss = reference->train_step(second);
+      reference->optimizer_step();
+      const auto expected = reference->parameters();
+
+      auto s = make_offload(options, base);
+      s->attach(models::build_model(config, 0));
+      auto gate = std::make_shared<device::Gate>();
+      OpenOnExit open_on_exit{gate};  // before s drains its updates on destruction
+      s->hold_updates(gate);
+      s->train_step(first);
+      s->optimizer_step();
+      EXPECT_TRUE(s->updates_in_flight()) << where << ": optimizer_step waited for the held updates";
+      double loss = 0;
+      bool forced = false;
+      {
+        // Opened 50 ms after the first fetch queued behind a held update: time for a fetch that
+        // does not wait to have read the old weights.
+        std::optional<std::chrono::steady_clock::time_point> queued;
+        OpenLater opener(gate, 30s, [&s, queued]() mutable {
+          const auto now = std::chrono::steady_clock::now();
+          if (!queued && s->fetches_behind_host_updates() > 0) queued = now;
+          return queued && now - *queued > 50ms;
+        });
+        loss = s->train_step(second);
+        opener.join();
+        forced = opener.forced();
+      }
+      EXPECT_FALSE(forced) << where << ": no fetch of the second step was queued behind a held update";
+      s->optimizer_step();
+      EXPECT_NEAR(loss, expected_loss, 1e-6 * std::abs(expected_loss)) << where << ": the second forward read stale weights";
+      const auto actual = s->parameters();
+      ASSERT_EQ(actual.size(), expected.size());
+      for (size_t i = 0; i < actual.size(); ++i)
+        EXPECT_TRUE(torch::allclose(actual[i].second, expected[i].second, 1e-5, 1e-7)) << where << ": " << actual[i].first;
+      EXPECT_FALSE(s->updates_in_flight()) << where << ": parameters() returned before the updates ran";
+      EXPECT_GT(s->stats().fetches_behind_host_updates, 0) << where;  // what the benchmark reports
+    }
+  }
+}
+
+// defer_updates=0: optimizer_step itself waits for every update (held here until a thread opens
+// the gate; an optimizer_step that returned at once would find them still held).
+TEST(HookOffload, without_deferral_optimizer_step_waits_for_every_update) {
+  auto s = make_offload({{"overlap_optimizer", "1"}, {"defer_updates", "0"}});
+  const auto config = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(config, 0));
+  auto gate = std::make_shared<device::Gate>();
+  OpenOnExit open_on_exit{gate};
+  s->hold_updates(gate);
+  s->train_step(models::make_batch(config, 2, 1));
+  EXPECT_TRUE(s->updates_in_flight()) << "the updates were not held";
+  bool in_flight = true;
+  {
+    OpenLater opener(gate, 100ms);
+    s->optimizer_step();
+    in_flight = s->updates_in_flight();
+  }
+  EXPECT_FALSE(in_flight) << "optimizer_step returned with updates still to run";
 }
 
 }  // namespace

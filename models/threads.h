@@ -40,8 +40,10 @@ void run_on_threads(size_t threads, F&& work) {
   if (failure) std::rethrow_exception(failure);
 }
 
-/// Runs fn(begin, end) over [0, n) split across the machine's cores (chunks of at least 2^18
-/// items; one chunk runs on the calling thread). std::thread rather than at::parallel_for: the
+/// Runs fn(begin, end) over [0, n) split across the machine's cores, in up to four chunks a core
+/// (of at least 2^18 items), taken in turn, so a thread that loses its core for a while (to a
+/// thread spinning on the device, say) delays a quarter of its share rather than the whole call.
+/// The calling thread takes chunks too. std::thread rather than at::parallel_for: the
 /// latter is an OpenMP pragma in a header, and serial in any translation unit not compiled with
 /// -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
 template <typename F>
@@ -53,7 +55,8 @@ void parallel_chunks(int64_t n, F fn) {
     fn(0, n);
     return;
   }
-  const int64_t chunk = (n + threads - 1) / threads;
+  const int64_t chunks = std::max<int64_t>(threads, std::min<int64_t>(4 * threads, n / kMinChunk));
+  const int64_t chunk = (n + chunks - 1) / chunks;
   std::atomic<int64_t> next{0};
   run_on_threads(static_cast<size_t>(threads), [&] {
     for (int64_t c = next++; c * chunk < n; c = next++) fn(c * chunk, std::min(n, (c + 1) * chunk));

@@ -33,6 +33,9 @@ struct Stats {
   int64_t bytes_interconnect = 0;  ///< device to device and collectives
   double loss_scale = 1.0;         ///< fp16: the loss scale now (1 when the policy does not scale)
   int64_t skipped_steps = 0;       ///< fp16: optimizer steps skipped for an inf or nan gradient, ever
+  /// Fetches to a device queued behind a host optimizer update that had not run yet (updates
+  /// deferred into the next step): the device work of such a step waits for the host.
+  int64_t fetches_behind_host_updates = 0;
   std::map<std::string, DeviceMemory> devices;  ///< by device name ("cuda:0", "cpu")
 };
 
@@ -78,7 +81,13 @@ class Strategy {
   virtual void finish_backward() {}
   /// Forward only, without building a graph; returns the output on the strategy's last device.
   virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// Blocks until everything earlier calls queued has finished, host optimizer updates that
+  /// optimizer_step left running included: a timer over a series of steps stops after it.
+  virtual void finish_step() {}
   /// One optimizer step wherever the strategy keeps master parameters, then zeroes gradients.
+  /// A strategy whose updates run on the host may return before the last of them have run
+  /// (hook_offload_overlap): whatever reads the parameters waits for the updates it needs (the
+  /// next train_step's use of each block for that block's, forward() and parameters() for all).
   virtual void optimizer_step() = 0;
   /// Full, unsharded gradients as host tensors by canonical name (zeros where none accumulated).
   virtual NamedTensors gradients() = 0;

@@ -1,5 +1,7 @@
 #include "strategies/hook_offload/hook_offload.h"
 
+#include <chrono>
+#include <thread>
 #include <unordered_map>
 
 #include "models/check.h"
@@ -19,6 +21,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
+  o.defer_updates = reader.get_bool("defer_updates", o.defer_updates);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_release_late = reader.get_bool("debug_release_late", o.debug_release_late);
@@ -57,7 +60,26 @@ struct HookOffload::Unit {
   device::Event loaded;
   bool grad_filled = false;     ///< host_grad holds this step's gradient (else it is stale)
   int pending_users = 0;        ///< overlap mode: backward contributions still to come this step
+  /// overlap mode: a tied unit's later gradients of this step, landed on the host after their
+  /// event, not yet added; moved into the unit's update when it is queued, which adds them first.
+  std::vector<std::pair<device::Event, torch::Tensor>> staged;
+  int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
+  bool stale = false;           ///< held on the device across an optimizer step: its copy is old
+  /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
+  /// waits for it. Null when no update is pending.
+  std::shared_ptr<device::Gate> updated;
   OptimizerState optimizer;
+};
+
+struct HookOffload::ReadyUpdate {
+  Unit* unit = nullptr;
+  device::Event landed;                       ///< after the unit's last gradient copy
+  /// The tied unit's later gradients of this step, to add first. Taken when the update is queued:
+  /// on a GPU the host may run ahead into the next step's backward before this update has run,
+  /// and the next step's gradients wait (on the device) for this very update.
+  std::vector<std::pair<device::Event, torch::Tensor>> staged;
+  std::shared_ptr<device::Gate> done;         ///< the unit's `updated`
+  std::shared_ptr<const device::Gate> hold;   ///< hold_updates
 };
 
 HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
@@ -116,7 +138,10 @@ void HookOffload::attach_model(models::BlockModel model) {
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u].params = std::move(plan.units[u]);
     units_[u].users = plan.users[u];
+    units_[u].first_use = static_cast<int64_t>(windows_.size());
   }
+  for (int64_t b = static_cast<int64_t>(windows_.size()) - 1; b >= 0; --b)
+    for (auto u : windows_[b]) units_[u].first_use = b;
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
@@ -166,8 +191,28 @@ void HookOffload::attach_model(models::BlockModel model) {
     if (unit.references > 0) permanent_bytes_ += unit.bytes;
 }
 
+void HookOffload::fetch(Unit& unit) {
+  if (unit.updated) {
+    // Its host update may still be running (overlap mode): the copy, and everything queued behind
+    // it on this stream, waits for it. Later fetches of the unit queue behind this one.
+    if (!unit.updated->is_open()) {
+      h2d_.hold(unit.updated);
+      ++fetches_behind_updates_;
+    }
+    unit.updated.reset();
+  }
+  h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
+  unit.loaded = h2d_.record();
+  unit.stale = false;
+  bytes_h2d_ += unit.travel_bytes;
+}
+
 void HookOffload::acquire(Unit& unit) {
   if (unit.references > 0) {
+    if (unit.stale) {  // held since before the last update (a resident block): bring it up to date
+      h2d_.wait(compute_.record());  // after the compute still reading the old values
+      fetch(unit);
+    }
     ++unit.references;
     return;
   }
@@ -182,10 +227,8 @@ void HookOffload::acquire(Unit& unit) {
       unit.device_flat.fill_(std::numeric_limits<float>::quiet_NaN());
     }
   }
-  h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
-  unit.loaded = h2d_.record();
+  fetch(unit);
   unit.references = 1;  // counted only once the memory exists (an allocation may throw)
-  bytes_h2d_ += unit.travel_bytes;
   resident_bytes_ += unit.bytes;
   peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
 }
@@ -201,13 +244,21 @@ void HookOffload::release(Unit& unit) {
 }
 
 void HookOffload::hold_window(int64_t block) {
-  if (held_[block]) return;
+  if (held_[block]) {
+    for (auto u : windows_[block]) {
+      auto& unit = units_[u];
+      if (!unit.stale) continue;
+      h2d_.wait(compute_.record());
+      fetch(unit);
+    }
+    return;
+  }
   // Rate limit: the host queues work far ahead of the device. Memory released by a window is only
   // reusable once the compute that read it has run, so before fetching another window wait until
   // at most one released window is still pending on the device; otherwise the caching allocator
   // sees nothing it may reuse and reserves fresh memory for every fetch.
   while (releases_.size() > 1) {
-    releases_.front().synchronize();
+    wait_for(releases_.front());
     releases_.pop_front();
   }
   const auto& window = windows_[block];
@@ -297,21 +348,114 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       d2h_.copy(staging, flat);
       auto landed = d2h_.record();
       ++host_sums_pending_;
-      host_.submit([this, landed, staging, grad = unit.host_grad] {
-        landed.synchronize();
-        grad.add_(staging);
-        --host_sums_pending_;
-      });
+      if (options_.overlap_optimizer) {
+        // Added by the unit's update, whenever that runs: a task of its own would wait in the
+        // host queue behind every update queued before it, and this unit (the embedding, say)
+        // may be the one the next forward needs first.
+        unit.staged.emplace_back(landed, staging);
+      } else {
+        host_.submit([this, landed, staging, grad = unit.host_grad] {
+          landed.synchronize();
+          grad.add_(staging);
+          --host_sums_pending_;
+        });
+      }
     }
     last_copy_ = d2h_.record();
-    if (options_.overlap_optimizer && --unit.pending_users == 0) {
-      auto landed = d2h_.record();
-      host_.submit([this, landed, &unit] {
-        landed.synchronize();
-        update_on_host(unit);
-      });
-    }
+    if (options_.overlap_optimizer && --unit.pending_users == 0) queue_update(unit, last_copy_);
   }
+}
+
+void HookOffload::queue_update(Unit& unit, device::Event landed) {
+  unit.updated = std::make_shared<device::Gate>();
+  // A unit on the device for good computes from its device copy, which is old from now on (also
+  // for a forward() before optimizer_step).
+  if (unit.references > 0) unit.stale = true;
+  ++updates_pending_;
+  {
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    ready_.push_back({&unit, std::move(landed), std::move(unit.staged), unit.updated, step_update_hold_});
+    unit.staged.clear();
+  }
+  host_.submit([this] { run_next_update(); });
+}
+
+void HookOffload::run_next_update() {
+  // Each queued task runs one update, not necessarily the one queued with it: while backward runs
+  // any landed unit will do, but the updates backward leaves undone are needed by the next forward
+  // in block order, and its first blocks' gradients land last. Every task finds at least the
+  // update queued with it, or another in its place.
+  ReadyUpdate next;
+  try {
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    int64_t best = -1;
+    bool best_landed = false;
+    for (size_t i = 0; i < ready_.size(); ++i) {
+      const auto& r = ready_[i];
+      const bool landed = r.landed.done();
+      if (best < 0 || (landed && !best_landed) ||
+          (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
+        best = static_cast<int64_t>(i);
+        best_landed = landed;
+      }
+    }
+    STRATA_CHECK(best >= 0, name_ << ": an overlapped update ran with no eligible unit queued (internal error)");
+    next = std::move(ready_[best]);
+    ready_.erase(ready_.begin() + best);
+  } catch (...) {
+    note_update_error();
+    --updates_pending_;
+    throw;
+  }
+  // Opens whatever happens: a fetch queued behind it must never wait forever.
+  struct Finish {
+    HookOffload* self;
+    std::shared_ptr<device::Gate> done;
+    ~Finish() {
+      --self->updates_pending_;
+      done->open();
+    }
+  } finish{this, next.done};
+  try {
+    if (next.hold) next.hold->wait();
+    next.landed.synchronize();
+    for (const auto& [landed, staging] : next.staged) {
+      landed.synchronize();
+      next.unit->host_grad.add_(staging);
+      --host_sums_pending_;
+    }
+    update_on_host(*next.unit);
+  } catch (...) {
+    // The gate opens all the same (a fetch waiting on it must not hang): the error is reported by
+    // the next train_step or optimizer_step, and that step's results are not to be trusted.
+    note_update_error();
+    throw;
+  }
+}
+
+void HookOffload::note_update_error() {
+  std::lock_guard<std::mutex> lock(ready_mutex_);
+  if (!update_error_) update_error_ = std::current_exception();
+}
+
+void HookOffload::wait_for(const device::Event& event) const {
+  if (!options_.overlap_optimizer) return event.synchronize();
+  while (!event.done()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+void HookOffload::rethrow_failed_update() {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    error = update_error_;
+  }
+  if (!error) return;
+  finish_pending();  // rethrows it if the host queue still holds it (and clears it)
+  {
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    update_error_ = nullptr;
+  }
+  std::rethrow_exception(error);  // a drain that swallowed it (a failed step's) took the queue's copy
 }
 
 void HookOffload::finish_backward() {
@@ -324,21 +468,37 @@ void HookOffload::finish_backward() {
 bool HookOffload::gradients_in_flight() const { return host_sums_pending_ > 0 || !last_copy_.done(); }
 
 void HookOffload::finish_pending() {
-  host_.drain();
+  try {
+    host_.drain();
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(ready_mutex_);
+      update_error_ = nullptr;  // reported now
+    }
+    d2h_.synchronize();
+    throw;
+  }
   d2h_.synchronize();
 }
+
+void HookOffload::finish_step() { finish_pending(); }
 
 double HookOffload::train_step(const models::Batch& batch) {
   auto& m = model();
   STRATA_CHECK(!(options_.overlap_optimizer && step_in_flight_),
                name_ << ": overlap_optimizer=1 applies each step's gradients during backward, so every train_step "
                         "must be followed by optimizer_step (gradient accumulation needs overlap_optimizer=0)");
-  finish_pending();
-  if (copy_hold_) d2h_.hold(std::move(copy_hold_));
   if (options_.overlap_optimizer) {
+    // The last step's updates may still be running: each block's fetch waits for its own.
+    rethrow_failed_update();
+    d2h_.synchronize();
     for (auto& unit : units_) unit.pending_users = unit.users;
+    step_update_hold_ = std::move(update_hold_);
     step_in_flight_ = true;
+  } else {
+    finish_pending();
   }
+  if (copy_hold_) d2h_.hold(std::move(copy_hold_));
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
@@ -351,6 +511,18 @@ double HookOffload::train_step(const models::Batch& batch) {
         host_.drain();
       } catch (...) {  // the step's own error is the one to report
       }
+      // Tied gradients staged for updates that will not be queued now. The units this step
+      // already updated keep their update (it cannot be taken back); none keeps this step's
+      // gradient for the next one, and resident ones are refreshed before they compute again.
+      for (auto& unit : units_) {
+        host_sums_pending_ -= static_cast<int64_t>(unit.staged.size());
+        unit.staged.clear();
+      }
+      if (options_.overlap_optimizer)
+        for (auto& unit : units_) {
+          unit.grad_filled = false;
+          if (unit.references > 0) unit.stale = true;
+        }
       step_in_flight_ = false;
     }
   };
@@ -363,6 +535,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     x = torch::Tensor();
     scaler_.scaled(loss).backward();
     clean_up(false);
+    wait_for(compute_.record());  // before item(), which would spin
     return loss.item<double>();
   } catch (...) {
     clean_up(true);
@@ -386,9 +559,22 @@ torch::Tensor HookOffload::forward(const torch::Tensor& input) {
 
 void HookOffload::optimizer_step() {
   model();
-  finish_pending();
-  h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
-  if (!options_.overlap_optimizer) {
+  std::exception_ptr failed_update;
+  if (options_.overlap_optimizer) {
+    // The updates were queued as gradients landed; those not done yet finish in the background,
+    // each ahead of its unit's next fetch (or here, with defer_updates=0). A failed one is
+    // reported once the step's bookkeeping is done, so the strategy stays usable.
+    try {
+      if (options_.defer_updates)
+        rethrow_failed_update();
+      else
+        finish_pending();
+    } catch (...) {
+      failed_update = std::current_exception();
+    }
+  } else {
+    finish_pending();
+    h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
     // fp16: the gradients carry the loss scale; a step with an inf or nan in any is skipped.
     std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
@@ -399,16 +585,14 @@ void HookOffload::optimizer_step() {
       if (unit.grad_filled && finite) update_on_host(unit);
   }
   step_in_flight_ = false;
-  for (auto& unit : units_) unit.grad_filled = false;
-  // Resident blocks compute from their device copy: bring it up to date, after any compute still
-  // reading it (forward() does not synchronise).
-  h2d_.wait(compute_.record());
+  step_update_hold_.reset();
   for (auto& unit : units_) {
-    if (unit.references == 0) continue;
-    h2d_.copy(unit.device_flat, travelling(unit));
-    unit.loaded = h2d_.record();
-    bytes_h2d_ += unit.travel_bytes;
+    unit.grad_filled = false;
+    // Resident blocks compute from their device copy: it is brought up to date when their window
+    // is next held (hold_window), behind the unit's update and the compute still reading it.
+    if (unit.references > 0) unit.stale = true;
   }
+  if (failed_update) std::rethrow_exception(failed_update);
 }
 
 void HookOffload::update_on_host(Unit& unit) {
@@ -469,6 +653,7 @@ Stats HookOffload::stats() {
   s.bytes_d2h = bytes_d2h_;
   s.loss_scale = scaler_.scale();
   s.skipped_steps = scaler_.skipped_steps();
+  s.fetches_behind_host_updates = fetches_behind_updates_;
   auto& mem = s.devices[config_.device.str()];
   mem.resident_param_bytes = resident_bytes_;
   mem.peak_param_bytes = peak_bytes_;
@@ -480,6 +665,7 @@ Stats HookOffload::stats() {
 
 void HookOffload::reset_stats() {
   bytes_h2d_ = bytes_d2h_ = 0;
+  fetches_behind_updates_ = 0;
   peak_bytes_ = resident_bytes_;
   device::reset_peak_stats(config_.device);
 }
@@ -500,6 +686,8 @@ static const OptionDocumenter hook_offload_docs(
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},
      {"overlap_optimizer", "0/1", "each unit updated on the host as soon as its gradients land"},
+     {"defer_updates", "0/1",
+      "with overlap_optimizer: updates left when backward ends finish under the next forward (1) or in optimizer_step (0)"},
      {"debug_poison", "0/1", "every fetched buffer filled with NaN before its copy", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its fetches (a deliberate bug)", true},
      {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true}});
@@ -511,7 +699,8 @@ STRATA_REGISTER_STRATEGY("hook_offload_sync",
                          "hook_offload without prefetch: each block fetched when needed, as seed 003 does",
                          [](const StrategyConfig& c) { return make("hook_offload_sync", c, {{"prefetch", "0"}}); });
 STRATA_REGISTER_STRATEGY("hook_offload_overlap",
-                         "hook_offload with each unit's host optimizer update overlapped with the rest of backward",
+                         "hook_offload with each unit's host optimizer update overlapped with the rest of backward "
+                         "and the updates left then with the next step's forward",
                          [](const StrategyConfig& c) {
                            return make("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
                          });

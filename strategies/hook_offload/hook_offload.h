@@ -15,6 +15,7 @@
 // one value across forward, recompute and the next step.
 #include <atomic>
 #include <deque>
+#include <mutex>
 #include <optional>
 
 #include "strategies/windowed.h"
@@ -28,7 +29,12 @@ struct HookOffloadOptions {
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
-  bool overlap_optimizer = false;      ///< update each unit on the host as soon as its gradients land
+  /// Update each unit on the host as soon as its gradients land; updates that backward's end
+  /// leaves undone finish while the next step's forward runs, in the order it needs them.
+  bool overlap_optimizer = false;
+  /// With overlap_optimizer: optimizer_step returns before the updates backward left undone have
+  /// run (each unit's next fetch waits for its own); false waits for all of them there.
+  bool defer_updates = true;
   bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
   bool debug_release_late = false;     ///< each window is dropped one block late: a deliberate bug (tests)
@@ -48,6 +54,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   double train_step(const models::Batch& batch) override;
   bool accumulates_gradients() const override { return !options_.overlap_optimizer; }
   void finish_backward() override;
+  void finish_step() override;
   torch::Tensor forward(const torch::Tensor& input) override;
   void optimizer_step() override;
   NamedTensors gradients() override;
@@ -74,6 +81,14 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Makes the next train_step's gradient copies to the host wait until `gate` opens (tests: a
   /// copy that is surely still in flight when train_step returns, however loaded the machine).
   void hold_gradient_copies(std::shared_ptr<const device::Gate> gate) { copy_hold_ = std::move(gate); }
+  /// overlap_optimizer: true while host updates of the last step have not all run. optimizer_step
+  /// returns without waiting for them; each unit's next fetch to the device waits for its own.
+  bool updates_in_flight() const { return updates_pending_ > 0; }
+  /// Stats::fetches_behind_host_updates, readable from any thread (tests).
+  int64_t fetches_behind_host_updates() const { return fetches_behind_updates_; }
+  /// overlap_optimizer: makes the host updates that the next train_step queues wait until `gate`
+  /// opens (tests: updates that are surely unfinished when the next step's forward starts).
+  void hold_updates(std::shared_ptr<const device::Gate> gate) { update_hold_ = std::move(gate); }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -88,7 +103,24 @@ class HookOffload : public Strategy, public WindowedRunner {
 
  private:
   struct Unit;
+  struct ReadyUpdate;
   void acquire(Unit& unit);
+  /// Queues the copy of the unit's host master to its device buffer, behind the unit's pending
+  /// host update if there is one.
+  void fetch(Unit& unit);
+  /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
+  /// joins the host's queue.
+  void queue_update(Unit& unit, device::Event landed);
+  /// Runs one queued update: of those whose gradients have landed, the unit the next forward
+  /// needs first; if none has landed yet, the one queued first.
+  void run_next_update();
+  /// Rethrows the error of an overlapped update that failed (after waiting for the others).
+  void rethrow_failed_update();
+  /// Keeps the error being thrown by an overlapped update for the next call to report.
+  void note_update_error();
+  /// Waits for `event`; with overlap_optimizer by sleeping between polls, so the host optimizer's
+  /// threads, which run meanwhile, keep every core (a CUDA synchronize spins one).
+  void wait_for(const device::Event& event) const;
   void release(Unit& unit);
   void hold_window(int64_t block);
   void drop_window(int64_t block);
@@ -122,8 +154,14 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::shared_ptr<const device::Gate> copy_hold_;  ///< hold_gradient_copies, for the next step
   LossScaler scaler_;
   std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
+  std::mutex ready_mutex_;                     ///< guards ready_ and update_error_
+  std::vector<ReadyUpdate> ready_;             ///< overlap mode: updates queued, not yet started
+  std::atomic<int64_t> updates_pending_{0};    ///< overlap mode: updates queued, not yet finished
+  std::exception_ptr update_error_;            ///< an overlapped update threw (ready_mutex_; reported next)
+  std::shared_ptr<const device::Gate> update_hold_, step_update_hold_;  ///< hold_updates
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
+  std::atomic<int64_t> fetches_behind_updates_{0};  ///< Stats::fetches_behind_host_updates
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
 };
 
