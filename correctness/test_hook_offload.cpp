@@ -2,6 +2,7 @@
 // moved against the analytic count; peak device memory under an analytic bound; the seed's
 // double-load scenario; asynchrony under injected delays, including a deliberately missing wait
 // that these tests must catch.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -432,6 +433,30 @@ TEST(HookOffload, the_next_forward_waits_for_every_overlapped_update) {
       EXPECT_FALSE(s->updates_in_flight()) << where << ": parameters() returned before the updates ran";
       EXPECT_GT(s->stats().fetches_behind_host_updates, 0) << where;  // what the benchmark reports
     }
+  }
+}
+
+// The updates still to run when backward ends are the ones the next forward needs first (the
+// first blocks' gradients land last): they must run in block order, or the next forward waits
+// for all of them. All of one step's updates are held until backward is over, so the host chooses
+// among all of them at once. A first-queued-first-run host (the last block first) fails this.
+TEST(HookOffload, updates_left_after_backward_run_in_the_order_the_next_forward_needs) {
+  for (const auto* preset : {"gpt-tiny", "mlp-tied-tiny", "mlp-tiny"}) {
+    auto s = make_offload({{"overlap_optimizer", "1"}});
+    const auto config = models::preset(preset).config;
+    s->attach(models::build_model(config, 0));
+    auto gate = std::make_shared<device::Gate>();
+    OpenOnExit open_on_exit{gate};
+    s->hold_updates(gate);
+    s->train_step(models::make_batch(config, 2, 1));
+    s->finish_backward();  // every gradient on the host
+    s->optimizer_step();
+    EXPECT_TRUE(s->take_update_order().empty()) << preset << ": an update ran while held";
+    gate->open();
+    s->finish_step();
+    const auto order = s->take_update_order();
+    EXPECT_GE(static_cast<int64_t>(order.size()), config.depth) << preset;  // a unit at least per hidden block
+    EXPECT_TRUE(std::is_sorted(order.begin(), order.end())) << preset << ": " << ::testing::PrintToString(order);
   }
 }
 

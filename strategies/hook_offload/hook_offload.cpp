@@ -3,6 +3,7 @@
 #include <chrono>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "models/check.h"
 #include "models/compat.h"
@@ -79,7 +80,6 @@ struct HookOffload::ReadyUpdate {
   /// and the next step's gradients wait (on the device) for this very update.
   std::vector<std::pair<device::Event, torch::Tensor>> staged;
   std::shared_ptr<device::Gate> done;         ///< the unit's `updated`
-  std::shared_ptr<const device::Gate> hold;   ///< hold_updates
 };
 
 HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
@@ -374,10 +374,13 @@ void HookOffload::queue_update(Unit& unit, device::Event landed) {
   ++updates_pending_;
   {
     std::lock_guard<std::mutex> lock(ready_mutex_);
-    ready_.push_back({&unit, std::move(landed), std::move(unit.staged), unit.updated, step_update_hold_});
+    ready_.push_back({&unit, std::move(landed), std::move(unit.staged), unit.updated});
     unit.staged.clear();
   }
-  host_.submit([this] { run_next_update(); });
+  host_.submit([this, hold = step_update_hold_] {
+    if (hold) hold->wait();  // hold_updates: before the choice, so it sees every held update
+    run_next_update();
+  });
 }
 
 void HookOffload::run_next_update() {
@@ -417,7 +420,6 @@ void HookOffload::run_next_update() {
     }
   } finish{this, next.done};
   try {
-    if (next.hold) next.hold->wait();
     next.landed.synchronize();
     for (const auto& [landed, staging] : next.staged) {
       landed.synchronize();
@@ -425,12 +427,19 @@ void HookOffload::run_next_update() {
       --host_sums_pending_;
     }
     update_on_host(*next.unit);
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    update_order_.push_back(next.unit->first_use);
   } catch (...) {
     // The gate opens all the same (a fetch waiting on it must not hang): the error is reported by
     // the next train_step or optimizer_step, and that step's results are not to be trusted.
     note_update_error();
     throw;
   }
+}
+
+std::vector<int64_t> HookOffload::take_update_order() {
+  std::lock_guard<std::mutex> lock(ready_mutex_);
+  return std::exchange(update_order_, {});
 }
 
 void HookOffload::note_update_error() {

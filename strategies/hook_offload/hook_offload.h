@@ -89,6 +89,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: makes the host updates that the next train_step queues wait until `gate`
   /// opens (tests: updates that are surely unfinished when the next step's forward starts).
   void hold_updates(std::shared_ptr<const device::Gate> gate) { update_hold_ = std::move(gate); }
+  /// overlap_optimizer: the first block (Unit::first_use) of each unit updated since the last
+  /// call, in the order the updates ran (tests: the order the next forward needs).
+  std::vector<int64_t> take_update_order();
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -154,10 +157,11 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::shared_ptr<const device::Gate> copy_hold_;  ///< hold_gradient_copies, for the next step
   LossScaler scaler_;
   std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
-  std::mutex ready_mutex_;                     ///< guards ready_ and update_error_
+  std::mutex ready_mutex_;                     ///< guards ready_, update_error_, update_order_
   std::vector<ReadyUpdate> ready_;             ///< overlap mode: updates queued, not yet started
   std::atomic<int64_t> updates_pending_{0};    ///< overlap mode: updates queued, not yet finished
   std::exception_ptr update_error_;            ///< an overlapped update threw (ready_mutex_; reported next)
+  std::vector<int64_t> update_order_;          ///< take_update_order
   std::shared_ptr<const device::Gate> update_hold_, step_update_hold_;  ///< hold_updates
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
