@@ -55,7 +55,7 @@ void parallel_chunks(int64_t n, F fn) {
     fn(0, n);
     return;
   }
-  const int64_t chunks = std::max<int64_t>(threads, std::min<int64_t>(4 * threads, n / kMinChunk));
+  const int64_t chunks = std::min<int64_t>(4 * threads, n / kMinChunk);  // >= threads, as threads <= n / kMinChunk
   const int64_t chunk = (n + chunks - 1) / chunks;
   std::atomic<int64_t> next{0};
   run_on_threads(static_cast<size_t>(threads), [&] {

@@ -207,12 +207,15 @@ void HookOffload::fetch(Unit& unit) {
   bytes_h2d_ += unit.travel_bytes;
 }
 
+void HookOffload::refresh_if_stale(Unit& unit) {
+  if (!unit.stale) return;
+  h2d_.wait(compute_.record());  // after the compute still reading the old values
+  fetch(unit);
+}
+
 void HookOffload::acquire(Unit& unit) {
   if (unit.references > 0) {
-    if (unit.stale) {  // held since before the last update (a resident block): bring it up to date
-      h2d_.wait(compute_.record());  // after the compute still reading the old values
-      fetch(unit);
-    }
+    refresh_if_stale(unit);
     ++unit.references;
     return;
   }
@@ -245,12 +248,7 @@ void HookOffload::release(Unit& unit) {
 
 void HookOffload::hold_window(int64_t block) {
   if (held_[block]) {
-    for (auto u : windows_[block]) {
-      auto& unit = units_[u];
-      if (!unit.stale) continue;
-      h2d_.wait(compute_.record());
-      fetch(unit);
-    }
+    for (auto u : windows_[block]) refresh_if_stale(units_[u]);
     return;
   }
   // Rate limit: the host queues work far ahead of the device. Memory released by a window is only

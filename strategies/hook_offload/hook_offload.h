@@ -111,6 +111,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Queues the copy of the unit's host master to its device buffer, behind the unit's pending
   /// host update if there is one.
   void fetch(Unit& unit);
+  /// A unit held on the device since before its last update (a resident block) fetched again.
+  void refresh_if_stale(Unit& unit);
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);

@@ -524,8 +524,7 @@ NamedTensors Sharded::full_tensors(bool grads) {
 
 NamedTensors Sharded::gradients() {
   auto out = full_tensors(/*grads=*/true);
-  if (scaler_.enabled())  // as the optimizer will see them: without the loss scale
-    for (auto& [name, g] : out) g = scaler_.unscaled(g);
+  for (auto& [name, g] : out) g = scaler_.unscaled(g);  // as the optimizer will see them
   return out;
 }
 NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
