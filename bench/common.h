@@ -58,6 +58,7 @@ inline void warm_up(Strategy& strategy, const models::Batch& batch) {
     strategy.train_step(batch);
     strategy.optimizer_step();
   }
+  strategy.finish_step();  // host updates left running are warm-up's, not the first repetition's
   device::synchronize_all();
   strategy.reset_stats();
 }

@@ -368,6 +368,8 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     // Updates deferred into the next step: its forward waits for the host, so fwd_bwd_ms is no
     // longer device time alone (the gate then compares no time across host classes).
     state.counters["fetches_behind_host_updates"] = static_cast<double>(stats.fetches_behind_host_updates) / steps;
+    // The host optimizer's own time: with the step time, how long the host sat idle.
+    if (stats.host_update_ms > 0) state.counters["host_update_ms"] = stats.host_update_ms / steps;
     state.counters["parameters"] = live.parameters;
     state.counters["oom"] = 0;
     end_cell(state, Outcome::ok, "");

@@ -130,6 +130,11 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     EXPECT_GT(mem.peak_param_bytes, shards_on_device) << "offload=" << offload;
     s->optimizer_step();
     EXPECT_EQ(s->stats().devices.begin()->second.resident_param_bytes, shards_on_device);
+    // The host optimizer's time: counted where shards are stepped on the host, and only there.
+    if (offload)
+      EXPECT_GT(s->stats().host_update_ms, 0.0) << "world " << world();
+    else
+      EXPECT_EQ(s->stats().host_update_ms, 0.0);
   }
   }
 }

@@ -5,6 +5,7 @@
 // engine, which makes the asynchrony real (and testable) without a GPU.
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -103,6 +104,22 @@ class HostQueue {
  private:
   struct State;
   std::unique_ptr<State> state_;
+};
+
+/// Adds the wall time from its construction to its destruction, in nanoseconds, to a counter
+/// that other threads may read (host work timed where it runs, e.g. a host optimizer's updates).
+class TimeInto {
+ public:
+  explicit TimeInto(std::atomic<int64_t>& total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~TimeInto() {
+    total_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+  TimeInto(const TimeInto&) = delete;
+  TimeInto& operator=(const TimeInto&) = delete;
+
+ private:
+  std::atomic<int64_t>& total_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 /// A point in a stream's queue; the host or another stream can wait for it.

@@ -419,6 +419,7 @@ void HookOffload::run_next_update() {
   } finish{this, next.done};
   try {
     next.landed.synchronize();
+    device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
     for (const auto& [landed, staging] : next.staged) {
       landed.synchronize();
       next.unit->host_grad.add_(staging);
@@ -586,6 +587,7 @@ void HookOffload::optimizer_step() {
     std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
       if (unit.grad_filled) grads.push_back(unit.host_grad);
+    device::TimeInto timed(host_update_ns_);
     const bool finite = scaler_.unscale(grads);
     scaler_.update(finite);
     for (auto& unit : units_)
@@ -661,6 +663,7 @@ Stats HookOffload::stats() {
   s.loss_scale = scaler_.scale();
   s.skipped_steps = scaler_.skipped_steps();
   s.fetches_behind_host_updates = fetches_behind_updates_;
+  s.host_update_ms = static_cast<double>(host_update_ns_) / 1e6;
   auto& mem = s.devices[config_.device.str()];
   mem.resident_param_bytes = resident_bytes_;
   mem.peak_param_bytes = peak_bytes_;
@@ -673,6 +676,7 @@ Stats HookOffload::stats() {
 void HookOffload::reset_stats() {
   bytes_h2d_ = bytes_d2h_ = 0;
   fetches_behind_updates_ = 0;
+  host_update_ns_ = 0;
   peak_bytes_ = resident_bytes_;
   device::reset_peak_stats(config_.device);
 }

@@ -168,6 +168,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   std::atomic<int64_t> fetches_behind_updates_{0};  ///< Stats::fetches_behind_host_updates
+  std::atomic<int64_t> host_update_ns_{0};          ///< Stats::host_update_ms
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
 };
 

@@ -388,6 +388,8 @@ void Sharded::finish_backward() {
 
 void Sharded::update_shard(Unit& unit) {
   if (unit.trainable_in_shard == 0) return;
+  std::optional<device::TimeInto> timed;  // Stats::host_update_ms: a shard stepped on the host
+  if (options_.offload) timed.emplace(host_update_ns_);
   auto p = unit.shard.narrow(0, 0, unit.trainable_in_shard);
   auto g = unit.shard_grad.narrow(0, 0, unit.trainable_in_shard);
   optimizer_update(config_.optimizer, p, g, unit.optimizer,
@@ -538,6 +540,7 @@ Stats Sharded::stats() {
   s.bytes_interconnect = bytes_interconnect_;
   s.loss_scale = scaler_.scale();
   s.skipped_steps = scaler_.skipped_steps();
+  s.host_update_ms = static_cast<double>(host_update_ns_) / 1e6;
   auto& mem = s.devices[device_.str()];
   const int64_t shards_here = options_.offload ? 0 : shard_bytes_;
   mem.resident_param_bytes = shards_here + gathered_bytes_;
@@ -550,6 +553,7 @@ Stats Sharded::stats() {
 
 void Sharded::reset_stats() {
   bytes_interconnect_ = bytes_h2d_ = bytes_d2h_ = 0;
+  host_update_ns_ = 0;
   peak_gathered_ = gathered_bytes_;
   device::reset_peak_stats(device_);
 }

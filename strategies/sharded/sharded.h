@@ -134,6 +134,7 @@ class Sharded : public Strategy, public WindowedRunner {
   int64_t step_blocks_ = 0;  ///< blocks computed in this forward (debug_fail_rank)
   int64_t gathered_bytes_ = 0, peak_gathered_ = 0, shard_bytes_ = 0;
   int64_t bytes_interconnect_ = 0, bytes_h2d_ = 0, bytes_d2h_ = 0;
+  std::atomic<int64_t> host_update_ns_{0};  ///< Stats::host_update_ms (offload: the host optimizer's time)
 };
 
 }  // namespace strata
