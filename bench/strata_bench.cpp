@@ -348,8 +348,11 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["allocated_at_start_bytes"] = static_cast<double>(live.allocated_at_start);
     // A pipeline timing its actions: its schedule simulated under the last step's measured action
     // costs, beside the measured forward + backward (bench/METRICS.md).
-    if (auto* pipe = dynamic_cast<Pipeline*>(strategy.get()); pipe && options.count("time_actions"))
-      state.counters["simulated_fwd_bwd_ms"] = pipe->simulated_ms();
+    if (auto* pipe = dynamic_cast<Pipeline*>(strategy.get())) {
+      if (options.count("time_actions")) state.counters["simulated_fwd_bwd_ms"] = pipe->simulated_ms();
+      // Ranks on their own host threads sharing a device: its allocator peak follows their timing.
+      state.counters["ranks_share_a_device"] = pipe->ranks_share_a_device() ? 1 : 0;
+    }
     state.counters["peak_reserved_bytes"] = static_cast<double>(peaks.reserved);
     state.counters["peak_param_bytes"] = static_cast<double>(peaks.params);
     state.counters["h2d_bytes_per_step"] = static_cast<double>(stats.bytes_h2d) / steps;

@@ -15,7 +15,11 @@ A cell fails when
   code, sets the rest; a host-bound cell whose forward waits for host updates (counter
   fetches_behind_host_updates > 0: updates deferred into the next step) has no device-side time,
   and across host classes only its memory is gated (listed);
-- the peak allocated memory of any of its devices rose more than --memory-rise;
+- the peak allocated memory of any of its devices rose more than --memory-rise; for a cell whose
+  pipeline ranks share a device, each on its own host thread (counter ranks_share_a_device = 1),
+  the allocator's peak depends on how the threads interleave on that host, so it is allowed
+  --shared-device-memory-rise, and the strategy's own parameter peak (peak_param_bytes, which the
+  schedule alone decides) is held to --memory-rise;
 - it ran in the baseline and is missing now, failed parity, errored, or ran out of memory now;
 - the baseline cell itself failed (other than out of memory): such a baseline protects nothing,
   and must be re-recorded.
@@ -66,12 +70,13 @@ def spread(rows, key):
     return (max(values) - min(values)) / m if m else 0.0
 
 
-def peaks(rows):
-    """Largest peak per device over the repetitions (the single-device counter under 'all')."""
+def peaks(rows, with_params=False):
+    """Largest peak per device over the repetitions (the single-device counter under its own name),
+    and with_params, the strategy's own parameter peak as well."""
     out = {}
     for r in rows:
         for k, v in r.items():
-            if k == "peak_allocated_bytes" or k.startswith("peak_allocated_bytes."):
+            if k == "peak_allocated_bytes" or k.startswith("peak_allocated_bytes.") or (with_params and k == "peak_param_bytes"):
                 out[k] = max(out.get(k, 0.0), v)
     return out
 
@@ -138,15 +143,18 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
                 what = "throughput" if key == "items_per_second" else "device time (fwd+bwd; host CPUs differ)"
                 failures.append(f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: "
                                 f"baseline spread {noise:.1%} over {len(base['reps'])} repetitions)")
-        pb, pn = peaks(base["reps"]), peaks(now["reps"])
+        shared = any(r.get("ranks_share_a_device") for r in rows)
+        pb, pn = peaks(base["reps"], shared), peaks(now["reps"], shared)
         for dev, bytes_base in sorted(pb.items()):
             if dev not in pn:
                 failures.append(f"{name}: {dev} is missing in this run")
                 continue
             rise = pn[dev] / bytes_base if bytes_base else 1.0
-            if rise > 1.0 + args.memory_rise:
+            allowed = args.shared_device_memory_rise if shared and dev != "peak_param_bytes" else args.memory_rise
+            if rise > 1.0 + allowed:
                 failures.append(f"{name}: {dev} {rise:.3f} x the baseline "
-                                f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {args.memory_rise:.0%})")
+                                f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {allowed:.0%}"
+                                f"{': ranks share a device' if allowed != args.memory_rise else ''})")
     for name in sorted(set(now_cells) - set(base_cells)):
         notes.append(f"{name}: new in this run, not gated")
     return failures, notes, table, same_host
@@ -162,6 +170,9 @@ def main(argv=None):
     ap.add_argument("--max-drop", type=float, default=0.25,
                     help="largest allowed throughput drop, however noisy the baseline (default 25%%)")
     ap.add_argument("--memory-rise", type=float, default=0.03, help="allowed rise of any device's peak (default 3%%)")
+    ap.add_argument("--shared-device-memory-rise", type=float, default=0.20,
+                    help="allowed rise of the allocator's peak for cells whose pipeline ranks share a device "
+                         "(default 20%%: unchanged code moved up to 15%% between two hosts, bench/NOTES.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip Google Benchmark's compare.py display")
     args = ap.parse_args(argv)
     now_cells, now_ctx = load(args.current)
@@ -184,7 +195,8 @@ def main(argv=None):
             print("  " + f)
         return 1
     print(f"\ngate: PASS ({len(table)} cells gated; throughput drop allowed min({args.max_drop:.0%}, "
-          f"max({args.min_drop:.0%}, {args.spread_multiple:g} x the baseline's spread)), any device's peak rise <= {args.memory_rise:.0%})")
+          f"max({args.min_drop:.0%}, {args.spread_multiple:g} x the baseline's spread)), any device's peak rise <= {args.memory_rise:.0%}, "
+          f"{args.shared_device_memory_rise:.0%} for the allocator where pipeline ranks share a device)")
     return 0
 
 

@@ -2,7 +2,7 @@
 """Self-test of ci/gate.py on synthetic runs: every branch of the gate must pass or fail as it
 should (throughput within and beyond its spread-derived threshold, memory growth on any device, a
 missing cell, a newly errored or parity-failed or out-of-memory cell, an unusable baseline, host-bound
-cells on hosts of different CPU classes, new cells). Runs in CI (ctest: cpu.gate_self_test).
+cells on hosts of different CPU classes, pipeline cells whose ranks share a device, new cells). Runs in CI (ctest: cpu.gate_self_test).
 
   python3 ci/test_gate.py
 """
@@ -115,6 +115,26 @@ def fails_memory_growth_on_any_device():
     # The smaller device grows, staying below the larger: a gate of the largest peak alone passes this.
     grown = dict(TWO_GPU, **{"peak_allocated_bytes.cuda:0": 6 * 2**30})
     expect(*run(reps("b/m", 500, peaks=grown), reps("b/m", 500, peaks=TWO_GPU)), 1, "peak_allocated_bytes.cuda:0 1.200")
+
+
+@case
+def allows_pipeline_ranks_sharing_a_device_more_allocator_room_but_not_more_parameters():
+    # Ranks on their own host threads sharing one GPU: the allocator's peak follows the threads'
+    # interleaving (15% between two hosts on unchanged code), the strategy's parameter peak does not.
+    base = {"peak_allocated_bytes": 10 * 2**30, "peak_param_bytes": 3 * 2**30, "ranks_share_a_device": 1}
+    grown = dict(base, peak_allocated_bytes=11.5 * 2**30)  # +15%
+    expect(*run(reps("p/m", 500, peaks=grown), reps("p/m", 500, peaks=base)), 0, "gate: PASS")
+    # The baseline recorded before the counter existed: the run under test carries it.
+    old = {k: v for k, v in base.items() if k != "ranks_share_a_device"}
+    expect(*run(reps("p/m", 500, peaks=grown), reps("p/m", 500, peaks=old)), 0, "gate: PASS")
+    too_much = dict(base, peak_allocated_bytes=12.5 * 2**30)  # +25%
+    expect(*run(reps("p/m", 500, peaks=too_much), reps("p/m", 500, peaks=base)), 1, "allowed rise 20%: ranks share a device")
+    more_params = dict(base, peak_param_bytes=3.2 * 2**30)  # +6.7%, allocator unchanged
+    expect(*run(reps("p/m", 500, peaks=more_params), reps("p/m", 500, peaks=base)), 1, "peak_param_bytes 1.067")
+    # Any other cell keeps the 3% rule for the same growth.
+    plain = {k: v for k, v in old.items()}
+    expect(*run(reps("q/m", 500, peaks=dict(plain, peak_allocated_bytes=11.5 * 2**30)), reps("q/m", 500, peaks=plain)),
+           1, "allowed rise 3%")
 
 
 @case

@@ -286,9 +286,24 @@ TEST(Pipeline, a_custom_schedule_refuses_what_it_cannot_run_naming_it) {
   EXPECT_EQ(q->schedule().ranks, 2);
 }
 
+// What the benchmark tells the gate: ranks that share a device interleave their allocations by
+// host timing, and only then (bench/METRICS.md, ranks_share_a_device).
+TEST(Pipeline, ranks_sharing_a_device_are_reported_as_such) {
+  for (int ranks : {1, 2, 3}) {
+    auto p = make_pipeline({{"devices", devices(ranks)}});
+    p->attach(models::build_model(gpt(3, true), 0));
+    EXPECT_EQ(p->ranks_share_a_device(), ranks > 1) << ranks << " ranks on " << test::device();
+  }
+}
+
 // Stages on two GPUs: activations and gradients cross devices between streams, the tied embedding
 // and head live on different devices (home and replica, swapped under a lock).
 TEST(MultiGpu, pipeline_over_two_devices_matches_the_baseline) {
+  {
+    auto p = make_pipeline({{"devices", "cuda:0,cuda:1"}});
+    p->attach(models::build_model(gpt(3, true), 0));
+    EXPECT_FALSE(p->ranks_share_a_device()) << "one rank per GPU shares none";
+  }
   for (const std::string name : {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_zero_bubble"}) {
     for (bool tied : {true, false}) {
       correctness::ParityCase c;

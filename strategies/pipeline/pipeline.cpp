@@ -222,6 +222,14 @@ models::BlockModel& Pipeline::model() {
   return *model_;
 }
 
+bool Pipeline::ranks_share_a_device() const {
+  if (c10d_) return false;  // one rank per process
+  for (size_t a = 0; a < rank_devices_.size(); ++a)
+    for (size_t b = a + 1; b < rank_devices_.size(); ++b)
+      if (rank_devices_[a] == rank_devices_[b]) return true;
+  return false;
+}
+
 torch::Device Pipeline::device_of_stage(int64_t stage) const {
   return rank_devices_[static_cast<size_t>(schedule_.rank_of(static_cast<int>(stage)))];
 }
