@@ -26,6 +26,7 @@
 #include <fstream>
 #include <thread>
 #include <cstdio>
+#include <numeric>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -350,8 +351,11 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     // costs, beside the measured forward + backward (bench/METRICS.md).
     if (auto* pipe = dynamic_cast<Pipeline*>(strategy.get())) {
       if (options.count("time_actions")) state.counters["simulated_fwd_bwd_ms"] = pipe->simulated_ms();
-      // Ranks on their own host threads sharing a device: its allocator peak follows their timing.
+      // Ranks on their own host threads sharing a device: its allocator peak may follow their
+      // timing; what the schedule decides (micro-batches held at once) does not.
       state.counters["ranks_share_a_device"] = pipe->ranks_share_a_device() ? 1 : 0;
+      const auto& held = pipe->peak_in_flight();
+      state.counters["peak_in_flight"] = static_cast<double>(std::accumulate(held.begin(), held.end(), 0));
     }
     state.counters["peak_reserved_bytes"] = static_cast<double>(peaks.reserved);
     state.counters["peak_param_bytes"] = static_cast<double>(peaks.params);

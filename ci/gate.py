@@ -15,11 +15,13 @@ A cell fails when
   code, sets the rest; a host-bound cell whose forward waits for host updates (counter
   fetches_behind_host_updates > 0: updates deferred into the next step) has no device-side time,
   and across host classes only its memory is gated (listed);
-- the peak allocated memory of any of its devices rose more than --memory-rise; for a cell whose
-  pipeline ranks share a device, each on its own host thread (counter ranks_share_a_device = 1),
-  the allocator's peak depends on how the threads interleave on that host, so it is allowed
-  --shared-device-memory-rise, and the strategy's own parameter peak (peak_param_bytes, which the
-  schedule alone decides) is held to --memory-rise;
+- the peak allocated memory of any of its devices rose more than --memory-rise; a pipeline cell
+  in a low-precision policy whose ranks share a device, each on its own host thread (counter
+  ranks_share_a_device = 1, cell named [precision=bf16] or fp16), is allowed
+  --shared-device-memory-rise: such cells' peaks moved by 10-15% between two hosts on unchanged
+  code, probably with how the threads interleave (fp32 twins stayed within 1%; bench/NOTES.md).
+  Its micro-batches in flight (counter peak_in_flight, which the schedule alone decides) may not
+  rise at all where both runs report them;
 - it ran in the baseline and is missing now, failed parity, errored, or ran out of memory now;
 - the baseline cell itself failed (other than out of memory): such a baseline protects nothing,
   and must be re-recorded.
@@ -70,15 +72,20 @@ def spread(rows, key):
     return (max(values) - min(values)) / m if m else 0.0
 
 
-def peaks(rows, with_params=False):
-    """Largest peak per device over the repetitions (the single-device counter under its own name),
-    and with_params, the strategy's own parameter peak as well."""
+def peaks(rows):
+    """Largest peak per device over the repetitions (the single-device counter under 'all')."""
     out = {}
     for r in rows:
         for k, v in r.items():
-            if k == "peak_allocated_bytes" or k.startswith("peak_allocated_bytes.") or (with_params and k == "peak_param_bytes"):
+            if k == "peak_allocated_bytes" or k.startswith("peak_allocated_bytes."):
                 out[k] = max(out.get(k, 0.0), v)
     return out
+
+
+def low_precision(cell):
+    """A cell run under a bf16 or fp16 policy (its name carries [..precision=P..] unless P is fp32)."""
+    m = re.search(r"precision=(\w+)", cell)
+    return m is not None and m.group(1) != "fp32"
 
 
 # Hosts that report the same CPU model and core count were measured at 59.8, 79.8 and 88.8 GB/s of
@@ -143,14 +150,19 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
                 what = "throughput" if key == "items_per_second" else "device time (fwd+bwd; host CPUs differ)"
                 failures.append(f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: "
                                 f"baseline spread {noise:.1%} over {len(base['reps'])} repetitions)")
-        shared = any(r.get("ranks_share_a_device") for r in rows)
-        pb, pn = peaks(base["reps"], shared), peaks(now["reps"], shared)
+        shared = any(r.get("ranks_share_a_device") for r in rows) and low_precision(name)
+        allowed = args.shared_device_memory_rise if shared else args.memory_rise
+        in_flight = [max((r["peak_in_flight"] for r in side if "peak_in_flight" in r), default=None)
+                     for side in (base["reps"], now["reps"])]
+        if shared and None not in in_flight and in_flight[1] > in_flight[0]:
+            failures.append(f"{name}: micro-batches in flight rose from {in_flight[0]:.0f} to {in_flight[1]:.0f} "
+                            f"(the schedule's; none allowed)")
+        pb, pn = peaks(base["reps"]), peaks(now["reps"])
         for dev, bytes_base in sorted(pb.items()):
             if dev not in pn:
                 failures.append(f"{name}: {dev} is missing in this run")
                 continue
             rise = pn[dev] / bytes_base if bytes_base else 1.0
-            allowed = args.shared_device_memory_rise if shared and dev != "peak_param_bytes" else args.memory_rise
             if rise > 1.0 + allowed:
                 failures.append(f"{name}: {dev} {rise:.3f} x the baseline "
                                 f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {allowed:.0%}"
@@ -171,8 +183,8 @@ def main(argv=None):
                     help="largest allowed throughput drop, however noisy the baseline (default 25%%)")
     ap.add_argument("--memory-rise", type=float, default=0.03, help="allowed rise of any device's peak (default 3%%)")
     ap.add_argument("--shared-device-memory-rise", type=float, default=0.20,
-                    help="allowed rise of the allocator's peak for cells whose pipeline ranks share a device "
-                         "(default 20%%: unchanged code moved up to 15%% between two hosts, bench/NOTES.md)")
+                    help="allowed rise of the allocator's peak for bf16/fp16 pipeline cells whose ranks share a "
+                         "device (default 20%%: unchanged code moved 10-15%% between two hosts, bench/NOTES.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip Google Benchmark's compare.py display")
     args = ap.parse_args(argv)
     now_cells, now_ctx = load(args.current)
@@ -196,7 +208,7 @@ def main(argv=None):
         return 1
     print(f"\ngate: PASS ({len(table)} cells gated; throughput drop allowed min({args.max_drop:.0%}, "
           f"max({args.min_drop:.0%}, {args.spread_multiple:g} x the baseline's spread)), any device's peak rise <= {args.memory_rise:.0%}, "
-          f"{args.shared_device_memory_rise:.0%} for the allocator where pipeline ranks share a device)")
+          f"{args.shared_device_memory_rise:.0%} for bf16/fp16 pipelines whose ranks share a device)")
     return 0
 
 
