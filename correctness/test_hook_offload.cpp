@@ -460,11 +460,11 @@ TEST(HookOffload, updates_left_after_backward_run_in_the_order_the_next_forward_
   }
 }
 
-// defer_updates=0: optimizer_step itself waits for every update (held here until a thread opens
-// the gate; an optimizer_step that returned at once would find them still held).
 TEST(HookOffload, host_update_time_counts_the_updates_not_the_wait_for_their_gradients) {
   // Gradients held on their way to the host for 300 ms: an overlapped update waits for them, and
   // that wait is not the host optimizer's work. gpt-tiny's updates take far less than the hold.
+  // (Without overlap, finish_backward has waited for the copies before any update starts: that
+  // pass checks the counter is kept and reset; the overlapped pass is the one a misplaced clock fails.)
   const auto config = models::preset("gpt-tiny").config;
   for (const auto* overlap : {"0", "1"}) {
     SCOPED_TRACE(std::string("overlap_optimizer=") + overlap);
@@ -496,6 +496,8 @@ TEST(HookOffload, host_update_time_counts_the_updates_not_the_wait_for_their_gra
   }
 }
 
+// defer_updates=0: optimizer_step itself waits for every update (held here until a thread opens
+// the gate; an optimizer_step that returned at once would find them still held).
 TEST(HookOffload, without_deferral_optimizer_step_waits_for_every_update) {
   auto s = make_offload({{"overlap_optimizer", "1"}, {"defer_updates", "0"}});
   const auto config = models::preset("gpt-tiny").config;

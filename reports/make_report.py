@@ -114,6 +114,17 @@ REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint",
                    ("hook_offload", "torch_checkpoint", 1.03), ("hook_offload_overlap", "torch_checkpoint", 1.03),
                    ("sharded", "fsdp2", None), ("sharded_offload", "fsdp2_cpu_offload", None)]
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
+# A deferring cell's forward holds waits for the host: its device work is measured by its twin that
+# does not defer (same fetches, same compute).
+DEVICE_TWIN = {"hook_offload_overlap": "hook_offload"}
+
+
+def host_bytes_per_param(r):
+    """AdamW's bytes per parameter on the host; 2 more under bf16/fp16, whose pass also writes
+    the travelling copy in the compute dtype (unless transfer=fp32)."""
+    m = re.search(r"precision=([^;\]]*)", r["strategy"])
+    low = m is not None and not m.group(1).startswith("fp32") and "transfer=fp32" not in m.group(1)
+    return HOST_BYTES_PER_PARAM + (2 if low else 0)
 
 
 def plain(strategy):
@@ -146,21 +157,25 @@ def reference_speed(rs, peers, triad):
                        f"{judged} |")
     host = [r for r in mine.values() if r.get("optimizer_on_host") and r.get("parameters")]
     if host and triad > 0:
-        # A cell that defers updates into the next step has host waits in its fwd+bwd: its device
-        # term is the fwd+bwd of the same model's host-stepped cells that do not (the same device work).
-        device_ms = [r["fwd_bwd_ms"] for r in host if not deferred(r)]
         out.append(f"\nHost optimizer against the host's memory bandwidth (triad {triad:.1f} GB/s, every core; "
-                   f"{HOST_BYTES_PER_PARAM} bytes per parameter; floor = max(device fwd+bwd, host pass at that "
-                   "bandwidth); host busy = the host's own update time per step (`host_update_ms`), and its rate "
-                   "is the host pass's):\n")
+                   f"{HOST_BYTES_PER_PARAM} bytes per parameter, 30 where a bf16/fp16 travelling copy is written; "
+                   "floor = max(device fwd+bwd, host pass at that bandwidth); host busy = the host's own time applying "
+                   "the gradients per step (`host_update_ms`; the optimizer phase where a run lacks it), and the "
+                   "rate of its pass; a cell that defers updates takes its device fwd+bwd from the cell it defers "
+                   "against):\n")
         out.append("| strata | parameters | host pass floor ms | host busy ms | host pass GB/s | device fwd+bwd ms | "
                    "floor ms | step ms | step / floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in sorted(host, key=lambda r: r["strategy"]):
-            host_ms = HOST_BYTES_PER_PARAM * r["parameters"] / (triad * 1e9) * 1e3
+            nbytes = host_bytes_per_param(r)
+            host_ms = nbytes * r["parameters"] / (triad * 1e9) * 1e3
             busy = r.get("host_update_ms") or (None if deferred(r) else r["optimizer_ms"])
-            device = min(device_ms) if deferred(r) and device_ms else (None if deferred(r) else r["fwd_bwd_ms"])
+            if deferred(r):
+                twin = mine.get(DEVICE_TWIN.get(plain(r["strategy"]), ""))
+                device = twin["fwd_bwd_ms"] if twin and not deferred(twin) else None
+            else:
+                device = r["fwd_bwd_ms"]
             floor = max(device or 0.0, host_ms)
-            rate = f"{HOST_BYTES_PER_PARAM * r['parameters'] / (busy / 1e3) / 1e9:.1f}" if busy else "—"
+            rate = f"{nbytes * r['parameters'] / (busy / 1e3) / 1e9:.1f}" if busy else "—"
             out.append(f"| {r['strategy']} | {r['parameters']:,.0f} | {host_ms:.1f} | "
                        f"{f'{busy:.1f}' if busy else '—'} | {rate} | {f'{device:.1f}' if device else '—'} | "
                        f"{floor:.1f} | {r['real_time']:.1f} | {r['real_time'] / floor:.2f} |")

@@ -354,6 +354,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       } else {
         host_.submit([this, landed, staging, grad = unit.host_grad] {
           landed.synchronize();
+          device::TimeInto timed(host_update_ns_);  // the sum the update needs: counted as in overlap mode
           grad.add_(staging);
           --host_sums_pending_;
         });

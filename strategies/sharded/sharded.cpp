@@ -358,7 +358,10 @@ void Sharded::finish_reduction(Unit& unit) {
     bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
     host_->submit([this, landed = d2h_->record(), staging, &unit] {
       landed.synchronize();
-      if (staging.defined()) unit.shard_grad.add_(staging);
+      if (staging.defined()) {
+        device::TimeInto timed(host_update_ns_);  // a sum the update needs (Stats::host_update_ms)
+        unit.shard_grad.add_(staging);
+      }
       if (options_.overlap_optimizer) update_shard(unit);
     });
   } else {
@@ -482,6 +485,8 @@ void Sharded::optimizer_step() {
   // every rank (each rank sees only its shards), and the scale lowered everywhere alike.
   bool finite = true;
   if (scaler_.enabled()) {
+    std::optional<device::TimeInto> timed;  // fp16's unscaling pass, on the host with offload
+    if (options_.offload) timed.emplace(host_update_ns_);
     std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
       if (unit.has_grad && unit.trainable_in_shard > 0) grads.push_back(unit.shard_grad.narrow(0, 0, unit.trainable_in_shard));
