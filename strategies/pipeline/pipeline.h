@@ -86,7 +86,7 @@ class Pipeline : public Strategy {
   const std::vector<int>& peak_in_flight() const { return peak_in_flight_; }
   /// True when two or more of this process's ranks run on one device (stages sharing a GPU, each
   /// rank on its own host thread). The device's allocator peak then probably depends on how those
-  /// threads interleave, not only on the schedule: bf16 peaks moved 10-15% between two hosts on
+  /// threads interleave, not only on the schedule: bf16 peaks moved 10-11% between two hosts on
   /// unchanged code (bench/NOTES.md; ci/gate.py allows such cells more room).
   bool ranks_share_a_device() const;
   /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
