@@ -355,14 +355,18 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
         host_.submit([this, landed, staging, grad = unit.host_grad] {
           landed.synchronize();
           device::TimeInto timed(host_update_ns_);  // the sum the update needs: counted as in overlap mode
-          grad.add_(staging);
-          --host_sums_pending_;
+          add_landed(grad, staging);
         });
       }
     }
     last_copy_ = d2h_.record();
     if (options_.overlap_optimizer && --unit.pending_users == 0) queue_update(unit, last_copy_);
   }
+}
+
+void HookOffload::add_landed(const torch::Tensor& grad, const torch::Tensor& staging) {
+  grad.add_(staging);
+  --host_sums_pending_;
 }
 
 void HookOffload::queue_update(Unit& unit, device::Event landed) {
@@ -423,8 +427,7 @@ void HookOffload::run_next_update() {
     device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
     for (const auto& [landed, staging] : next.staged) {
       landed.synchronize();
-      next.unit->host_grad.add_(staging);
-      --host_sums_pending_;
+      add_landed(next.unit->host_grad, staging);
     }
     update_on_host(*next.unit);
     std::lock_guard<std::mutex> lock(ready_mutex_);
@@ -526,12 +529,10 @@ double HookOffload::train_step(const models::Batch& batch) {
       for (auto& unit : units_) {
         host_sums_pending_ -= static_cast<int64_t>(unit.staged.size());
         unit.staged.clear();
+        if (!options_.overlap_optimizer) continue;
+        unit.grad_filled = false;
+        if (unit.references > 0) unit.stale = true;
       }
-      if (options_.overlap_optimizer)
-        for (auto& unit : units_) {
-          unit.grad_filled = false;
-          if (unit.references > 0) unit.stale = true;
-        }
       step_in_flight_ = false;
     }
   };

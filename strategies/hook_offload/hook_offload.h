@@ -116,6 +116,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);
+  /// A tied unit's later gradient, landed in `staging`, added to its host gradient.
+  void add_landed(const torch::Tensor& grad, const torch::Tensor& staging);
   /// Runs one queued update: of those whose gradients have landed, the unit the next forward
   /// needs first; if none has landed yet, the one queued first.
   void run_next_update();
