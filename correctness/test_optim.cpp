@@ -6,7 +6,11 @@
 #include <gtest/gtest.h>
 
 #include "correctness/support/test_device.h"
+#include "models/threads.h"
 #include "strategies/optim.h"
+
+#include <thread>
+#include <vector>
 
 namespace strata {
 namespace {
@@ -85,6 +89,54 @@ TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
               << config.to_string() << " " << dtype << (path == Path::fused ? " fused" : " chain") << " step " << step;
         }
       }
+}
+
+// parallel_chunks hands its chunks to workers kept for the life of the process (ChunkWorkers);
+// host threads only, so the cuda run repeats the cpu one.
+// Several threads calling it at once (a host optimizer's queue beside a precision pass, ranks as
+// threads) must each get every item of their own range exactly once, and their call must not
+// return before every chunk of it has run. Each caller below counts its items and checks the count
+// as soon as its call returns, so a call that returned early or ran a chunk twice fails here.
+TEST(ChunkWorkers, every_item_runs_once_and_before_its_call_returns_with_callers_at_once) {
+  constexpr int64_t n = (int64_t{1} << 18) * 12 + 77;  // many chunks, and a short last one
+  constexpr int callers = 4, calls = 25;
+  std::vector<std::string> failures(callers);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < callers; ++c)
+    threads.emplace_back([&, c] {
+      std::vector<uint8_t> seen(n);
+      for (int call = 0; call < calls && failures[c].empty(); ++call) {
+        parallel_chunks(n, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) ++seen[i];
+        });
+        for (int64_t i = 0; i < n; ++i)
+          if (seen[i] != call + 1) {
+            failures[c] = "caller " + std::to_string(c) + " call " + std::to_string(call) + ": item " +
+                          std::to_string(i) + " ran " + std::to_string(seen[i]) + " times in all";
+            break;
+          }
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& f : failures) EXPECT_EQ(f, "");
+}
+
+// An error in one chunk reaches the caller (once the others have run), and the workers take the
+// next call as usual. A parallel_chunks inside a chunk runs on that chunk's thread alone rather
+// than waiting for the job it is part of (which would never end: the test would time out).
+TEST(ChunkWorkers, an_error_reaches_the_caller_and_a_nested_call_runs_in_place) {
+  constexpr int64_t n = (int64_t{1} << 18) * 8;
+  EXPECT_THROW(parallel_chunks(n, [&](int64_t begin, int64_t) {
+                 if (begin == 0) throw std::runtime_error("chunk 0 failed");
+               }),
+               std::runtime_error);
+  std::atomic<int64_t> items{0}, outer_chunks{0};
+  parallel_chunks(n, [&](int64_t begin, int64_t end) {
+    ++outer_chunks;
+    parallel_chunks(n, [&](int64_t b, int64_t e) { items += e - b; });
+    items += end - begin;
+  });
+  EXPECT_EQ(items.load(), n + outer_chunks.load() * n);
 }
 
 }  // namespace

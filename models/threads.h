@@ -2,8 +2,10 @@
 // Work shared by a few host threads (parameter initialisation, host optimizer updates).
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -40,25 +42,113 @@ void run_on_threads(size_t threads, F&& work) {
   if (failure) std::rethrow_exception(failure);
 }
 
+/// The cores' workers for parallel_chunks: hardware_concurrency() - 1 threads started on first use
+/// and kept for the life of the process, so a call costs a wake-up rather than starting and
+/// joining a thread per core (a host optimizer calls it once per unit, every step). One job at a
+/// time: a second caller waits for the first one's job to end. A job started from inside a job
+/// (a nested parallel_chunks) would wait for itself, so it runs on its caller alone.
+class ChunkWorkers {
+ public:
+  /// Never destroyed: its threads wait for work until the process ends, and a static destructor
+  /// that joined them could run while another static's destructor still uses the workers.
+  static ChunkWorkers& instance() {
+    static ChunkWorkers* workers = new ChunkWorkers();
+    return *workers;
+  }
+  /// True on a thread running a job's work (the caller's share included).
+  static bool& inside_job() {
+    thread_local bool inside = false;
+    return inside;
+  }
+  /// Calls work() on the calling thread and on every worker, and returns when every call has
+  /// returned; the first exception thrown by any call is rethrown here. work() must take its
+  /// items from a shared counter (a worker may find none left).
+  template <typename F>
+  void run(F&& work) {
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    std::function<void()> guarded = [&] {
+      inside_job() = true;
+      try {
+        work();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+      }
+      inside_job() = false;
+    };
+    {
+      std::lock_guard<std::mutex> one_job(job_mutex_);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        job_ = &guarded;
+        running_ = threads_.size();
+        ++generation_;
+      }
+      wake_.notify_all();
+      guarded();
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [&] { return running_ == 0; });
+      job_ = nullptr;
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+ private:
+  ChunkWorkers() {
+    const size_t wanted = std::max(1u, std::thread::hardware_concurrency()) - 1;
+    for (size_t t = 0; t < wanted; ++t) {
+      try {
+        threads_.emplace_back([this] { serve(); });
+      } catch (const std::system_error&) {
+        break;  // fewer workers; the caller still does its share and the rest
+      }
+    }
+  }
+  void serve() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void()>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        job = job_;
+      }
+      (*job)();  // guarded: never throws
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex job_mutex_;  ///< held by the caller of run() for the whole job
+  std::mutex mutex_;      ///< guards job_, running_, generation_
+  std::condition_variable wake_, done_;
+  const std::function<void()>* job_ = nullptr;
+  size_t running_ = 0;       ///< workers that have not finished the current job
+  uint64_t generation_ = 0;  ///< counts jobs; a worker runs each one once
+  std::vector<std::thread> threads_;
+};
+
 /// Runs fn(begin, end) over [0, n) split across the machine's cores, in up to four chunks a core
 /// (of at least 2^18 items), taken in turn, so a thread that loses its core for a while (to a
 /// thread spinning on the device, say) delays a quarter of its share rather than the whole call.
-/// The calling thread takes chunks too. std::thread rather than at::parallel_for: the
-/// latter is an OpenMP pragma in a header, and serial in any translation unit not compiled with
-/// -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
+/// The calling thread takes chunks too; the others are ChunkWorkers'. std::thread rather than
+/// at::parallel_for: the latter is an OpenMP pragma in a header, and serial in any translation
+/// unit not compiled with -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
 template <typename F>
 void parallel_chunks(int64_t n, F fn) {
   constexpr int64_t kMinChunk = 1 << 18;
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n / kMinChunk));
-  if (threads == 1) {
+  if (threads == 1 || ChunkWorkers::inside_job()) {
     fn(0, n);
     return;
   }
   const int64_t chunks = std::min<int64_t>(4 * threads, n / kMinChunk);  // >= threads, as threads <= n / kMinChunk
   const int64_t chunk = (n + chunks - 1) / chunks;
   std::atomic<int64_t> next{0};
-  run_on_threads(static_cast<size_t>(threads), [&] {
+  ChunkWorkers::instance().run([&] {
     for (int64_t c = next++; c * chunk < n; c = next++) fn(c * chunk, std::min(n, (c + 1) * chunk));
   });
 }
