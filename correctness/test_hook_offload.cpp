@@ -141,7 +141,8 @@ TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
 TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
   // With windows that never overlap between the embedding and the head (prefetch < blocks - 2):
   // forward fetches every block's window once, backward every window but the merged last block's,
-  // and every window's gradients go back once (the tied weight twice, once per use).
+  // and every trainable parameter's gradient goes back once (the tied weight's two uses are summed
+  // on the device first).
   for (int prefetch : {0, 1}) {
     const auto config = gpt(3, 8);
     auto model = models::build_model(config, 0);
@@ -150,8 +151,8 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
     for (int64_t b = 0; b < n; ++b) {
       forward += window_bytes(model, b);
       if (b != n - 1) backward += window_bytes(model, b);
-      grads += window_bytes(model, b);
     }
+    for (const auto& p : model.parameters()) grads += p.tensor.numel() * 4;  // each once, tied ones too
     auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
     s->attach(std::move(model));
     const auto batch = models::make_batch(config, 2, 1);
@@ -309,8 +310,8 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 // for certain (a delay alone was outrun by a GPU shared with a dozen other processes); once the
 // gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. A
 // first step runs ungated: its one-time set-up (pinned host memory, library handles) may wait for
-// the whole device, and so for a held copy. mlp-tiny is untied (copies only); the tied presets add
-// a second gradient on the host.
+// the whole device, and so for a held copy. mlp-tiny is untied; the tied presets send their tied
+// weight's summed gradient once, after its last use.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {

@@ -60,10 +60,8 @@ struct HookOffload::Unit {
   int references = 0;
   device::Event loaded;
   bool grad_filled = false;     ///< host_grad holds this step's gradient (else it is stale)
-  int pending_users = 0;        ///< overlap mode: backward contributions still to come this step
-  /// overlap mode: a tied unit's later gradients of this step, landed on the host after their
-  /// event, not yet added; moved into the unit's update when it is queued, which adds them first.
-  std::vector<std::pair<device::Event, torch::Tensor>> staged;
+  int pending_users = 0;        ///< backward contributions still to come this step
+  torch::Tensor device_grad;    ///< a tied unit's gradients of this step's earlier uses, summed on the device
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   bool stale = false;           ///< held on the device across an optimizer step: its copy is old
   /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
@@ -75,10 +73,6 @@ struct HookOffload::Unit {
 struct HookOffload::ReadyUpdate {
   Unit* unit = nullptr;
   device::Event landed;                       ///< after the unit's last gradient copy
-  /// The tied unit's later gradients of this step, to add first. Taken when the update is queued:
-  /// on a GPU the host may run ahead into the next step's backward before this update has run,
-  /// and the next step's gradients wait (on the device) for this very update.
-  std::vector<std::pair<device::Event, torch::Tensor>> staged;
   std::shared_ptr<device::Gate> done;         ///< the unit's `updated`
 };
 
@@ -333,40 +327,45 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
     // Gradients return in the reduction dtype (fp32): compute-dtype ones are widened first.
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
     if (flat.scalar_type() != torch::kFloat) flat = flat.to(torch::kFloat);
-    auto produced = compute_.record();
-    d2h_.wait(produced);
-    d2h_.keep_alive(flat);
-    bytes_d2h_ += flat.nbytes();
-    if (!unit.grad_filled) {
-      d2h_.copy(unit.host_grad, flat);
-      unit.grad_filled = true;
-    } else {
-      // A second use of a tied parameter (or another micro-batch): add on the host once it lands.
-      auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
-      d2h_.copy(staging, flat);
-      auto landed = d2h_.record();
-      ++host_sums_pending_;
-      if (options_.overlap_optimizer) {
-        // Added by the unit's update, whenever that runs: a task of its own would wait in the
-        // host queue behind every update queued before it, and this unit (the embedding, say)
-        // may be the one the next forward needs first.
-        unit.staged.emplace_back(landed, staging);
-      } else {
-        host_.submit([this, landed, staging, grad = unit.host_grad] {
-          landed.synchronize();
-          device::TimeInto timed(host_update_ns_);  // the sum the update needs: counted as in overlap mode
-          add_landed(grad, staging);
-        });
-      }
+    if (--unit.pending_users > 0) {
+      // A tied unit with uses still to come in this backward: its gradients add up on the device
+      // (as autograd adds a tied parameter's, in the same order) and travel once, at the last use.
+      // One copy instead of one per use, and no sum for the host to run; the cost is the unit's
+      // gradient held on the device until then.
+      unit.device_grad = unit.device_grad.defined() ? unit.device_grad + flat : flat;
+      continue;
     }
-    last_copy_ = d2h_.record();
-    if (options_.overlap_optimizer && --unit.pending_users == 0) queue_update(unit, last_copy_);
+    if (unit.device_grad.defined()) flat = std::exchange(unit.device_grad, torch::Tensor()) + flat;
+    send_gradient(unit, flat);
   }
 }
 
-void HookOffload::add_landed(const torch::Tensor& grad, const torch::Tensor& staging) {
-  grad.add_(staging);
-  --host_sums_pending_;
+void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
+  auto produced = compute_.record();
+  d2h_.wait(produced);
+  d2h_.keep_alive(flat);
+  bytes_d2h_ += flat.nbytes();
+  if (!unit.grad_filled) {
+    d2h_.copy(unit.host_grad, flat);
+    unit.grad_filled = true;
+  } else {
+    // Another micro-batch's gradient (accumulation): added on the host once it lands. Not in
+    // overlap mode, where every step's gradients are applied before the next step starts.
+    STRATA_CHECK(!options_.overlap_optimizer,
+                 name_ << ": a second gradient of one step reached an overlapped update (internal error)");
+    auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
+    d2h_.copy(staging, flat);
+    auto landed = d2h_.record();
+    ++host_sums_pending_;
+    host_.submit([this, landed, staging, grad = unit.host_grad] {
+      landed.synchronize();
+      device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
+      grad.add_(staging);
+      --host_sums_pending_;
+    });
+  }
+  last_copy_ = d2h_.record();
+  if (options_.overlap_optimizer) queue_update(unit, last_copy_);
 }
 
 void HookOffload::queue_update(Unit& unit, device::Event landed) {
@@ -377,8 +376,7 @@ void HookOffload::queue_update(Unit& unit, device::Event landed) {
   ++updates_pending_;
   {
     std::lock_guard<std::mutex> lock(ready_mutex_);
-    ready_.push_back({&unit, std::move(landed), std::move(unit.staged), unit.updated});
-    unit.staged.clear();
+    ready_.push_back({&unit, std::move(landed), unit.updated});
   }
   host_.submit([this, hold = step_update_hold_] {
     if (hold) hold->wait();  // hold_updates: before the choice, so it sees every held update
@@ -425,10 +423,6 @@ void HookOffload::run_next_update() {
   try {
     next.landed.synchronize();
     device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
-    for (const auto& [landed, staging] : next.staged) {
-      landed.synchronize();
-      add_landed(next.unit->host_grad, staging);
-    }
     update_on_host(*next.unit);
     std::lock_guard<std::mutex> lock(ready_mutex_);
     update_order_.push_back(next.unit->first_use);
@@ -472,8 +466,8 @@ void HookOffload::rethrow_failed_update() {
 
 void HookOffload::finish_backward() {
   d2h_.synchronize();
-  // Without the overlapped optimizer the host queue holds only backward's work (a tied weight's
-  // second gradient added on the host); with it, the optimizer updates run there too.
+  // Without the overlapped optimizer the host queue holds only backward's work (a later
+  // micro-batch's gradient added on the host); with it, the optimizer updates run there too.
   if (!options_.overlap_optimizer) host_.drain();
 }
 
@@ -504,13 +498,13 @@ double HookOffload::train_step(const models::Batch& batch) {
     // The last step's updates may still be running: each block's fetch waits for its own.
     rethrow_failed_update();
     d2h_.synchronize();
-    for (auto& unit : units_) unit.pending_users = unit.users;
     step_update_hold_ = std::move(update_hold_);
     step_in_flight_ = true;
   } else {
     finish_pending();
   }
   if (copy_hold_) d2h_.hold(std::move(copy_hold_));
+  for (auto& unit : units_) unit.pending_users = unit.users;
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
@@ -518,21 +512,20 @@ double HookOffload::train_step(const models::Batch& batch) {
     released_late_ = -1;
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
+    for (auto& unit : units_) unit.device_grad = torch::Tensor();  // a failed backward's partial sums
     if (failed) {
       try {
         host_.drain();
       } catch (...) {  // the step's own error is the one to report
       }
-      // Tied gradients staged for updates that will not be queued now. The units this step
-      // already updated keep their update (it cannot be taken back); none keeps this step's
-      // gradient for the next one, and resident ones are refreshed before they compute again.
-      for (auto& unit : units_) {
-        host_sums_pending_ -= static_cast<int64_t>(unit.staged.size());
-        unit.staged.clear();
-        if (!options_.overlap_optimizer) continue;
-        unit.grad_filled = false;
-        if (unit.references > 0) unit.stale = true;
-      }
+      // The units this step already updated keep their update (it cannot be taken back); none
+      // keeps this step's gradient for the next one, and resident ones are refreshed before they
+      // compute again.
+      if (options_.overlap_optimizer)
+        for (auto& unit : units_) {
+          unit.grad_filled = false;
+          if (unit.references > 0) unit.stale = true;
+        }
       step_in_flight_ = false;
     }
   };
@@ -544,6 +537,11 @@ double HookOffload::train_step(const models::Batch& batch) {
     auto loss = m.loss(x, target);
     x = torch::Tensor();
     scaler_.scaled(loss).backward();
+    // Every block's backward ran (each feeds the next, and the anchor makes every output need a
+    // gradient), so every tied unit has sent its sum.
+    for (const auto& unit : units_)
+      STRATA_CHECK(!unit.device_grad.defined(), name_ << ": a tied unit's gradient stayed on the device after backward "
+                                                          "(a use without backward; internal error)");
     clean_up(false);
     wait_for(compute_.record());  // before item(), which would spin
     return loss.item<double>();

@@ -4,7 +4,8 @@
 // use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
 // and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
 // as a block's backward is done; the optimizer runs on the host. A tied parameter is one host copy,
-// loaded once per use window by reference count, and receives the sum of its uses' gradients.
+// loaded once per use window by reference count, and receives the sum of its uses' gradients,
+// added on the device as each use's backward ends and sent to the host once, after the last.
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
@@ -73,10 +74,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   int64_t offloaded_bytes_on_device() const;
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
-  /// True while gradients are still on their way to the host: a copy queued, or a tied weight's
-  /// second gradient not yet added there. False after finish_backward() (so a timer that stops
-  /// after it has counted the whole of backward), except with overlap_optimizer, where those sums
-  /// run on the optimizer's host queue, each ahead of its unit's update, and may still be pending.
+  /// True while gradients are still on their way to the host: a copy queued, or a later
+  /// micro-batch's gradient not yet added there. False after finish_backward() (so a timer that
+  /// stops after it has counted the whole of backward).
   bool gradients_in_flight() const;
   /// Makes the next train_step's gradient copies to the host wait until `gate` opens (tests: a
   /// copy that is surely still in flight when train_step returns, however loaded the machine).
@@ -116,8 +116,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);
-  /// A tied unit's later gradient, landed in `staging`, added to its host gradient.
-  void add_landed(const torch::Tensor& grad, const torch::Tensor& staging);
+  /// Sends a unit's gradient of this step (all its uses summed) to its host buffer, or to be added
+  /// there (another micro-batch's); in overlap mode the unit's update is queued behind it.
+  void send_gradient(Unit& unit, const torch::Tensor& flat);
   /// Runs one queued update: of those whose gradients have landed, the unit the next forward
   /// needs first; if none has landed yet, the one queued first.
   void run_next_update();
@@ -160,7 +161,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   device::Event last_copy_;  ///< after the latest gradient copy to the host
   std::shared_ptr<const device::Gate> copy_hold_;  ///< hold_gradient_copies, for the next step
   LossScaler scaler_;
-  std::atomic<int64_t> host_sums_pending_{0};  ///< tied gradients' host-side sums not yet run
+  std::atomic<int64_t> host_sums_pending_{0};  ///< later micro-batches' host-side sums not yet run
   std::mutex ready_mutex_;                     ///< guards ready_, update_error_, update_order_
   std::vector<ReadyUpdate> ready_;             ///< overlap mode: updates queued, not yet started
   std::atomic<int64_t> updates_pending_{0};    ///< overlap mode: updates queued, not yet finished
