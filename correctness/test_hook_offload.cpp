@@ -311,19 +311,22 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 // gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. A
 // first step runs ungated: its one-time set-up (pinned host memory, library handles) may wait for
 // the whole device, and so for a held copy. mlp-tiny is untied; the tied presets send their tied
-// weight's summed gradient once, after its last use.
+// weight's summed gradient once, after its last use. Accumulating (no optimizer_step between the
+// two steps), the second step's gradients land in staging buffers and are added on the host.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
     for (int prefetch : {0, 2}) {
+     for (bool accumulate : {false, true}) {
       auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
       const auto config = models::preset(preset).config;
       s->attach(models::build_model(config, 0));
       const auto batch = models::make_batch(config, 2, 1);
-      const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch);
+      const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch) +
+                                (accumulate ? " accumulating" : "");
       s->train_step(batch);
       s->finish_backward();
-      s->optimizer_step();
+      if (!accumulate) s->optimizer_step();
       auto gate = std::make_shared<device::Gate>();
       s->hold_gradient_copies(gate);
       // Should train_step itself wait for a held copy, the gate opens after a while and the test
@@ -338,6 +341,7 @@ TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
       s->finish_backward();
       EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
       s->optimizer_step();
+     }
     }
   }
 }
@@ -542,9 +546,55 @@ TEST(HookOffload, a_failed_step_leaves_nothing_held_and_the_next_step_works) {
 }  // namespace strata
 
 #include "correctness/support/chain.h"
+#include "correctness/support/failing_block.h"
 
 namespace strata {
 namespace {
+
+// A backward that fails after a tied unit's first use was summed on the device (here the block
+// between its two uses throws in its recompute) must not leave that partial sum to the next step:
+// the next step's gradients of the blocks up to the failure, the shared weight's among them, equal
+// the baseline's for the same batch. (The blocks whose gradients already went to the host in the
+// failed step are not compared: plain mode keeps them, as an accumulated micro-batch.)
+TEST(HookOffload, a_backward_that_fails_between_a_tied_units_uses_leaves_no_partial_sum) {
+  const auto spec = correctness::ChainSpec::parse("chain(in=4 width=4 classes=3 blocks=shared0,lin,shared0)");
+  auto build = [&](std::shared_ptr<test::FailingBlock>* failing) {
+    auto model = spec.build(0);
+    auto blocks = model.blocks();  // input layer, shared0, lin, shared0, head
+    torch::manual_seed(7);
+    auto f = std::make_shared<test::FailingBlock>(4);
+    if (failing) *failing = f;
+    blocks[2] = f;
+    return models::BlockModel(model.config(), blocks);
+  };
+  const auto batch = spec.make_batch(3, 1);
+  StrategyConfig c;
+  c.device = test::device();
+  auto base = Registry::create("baseline", c);
+  base->attach(build(nullptr));
+  base->train_step(batch);
+  const auto expected = base->gradients();
+  std::shared_ptr<test::FailingBlock> failing;
+  auto s = make_offload({});
+  s->attach(build(&failing));
+  failing->calls = 0;
+  failing->fail_after = 1;  // its forward runs; its recompute in backward throws
+  EXPECT_THROW(s->train_step(batch), std::exception);
+  EXPECT_EQ(s->references_held(), 0);
+  failing->fail_after = -1;
+  s->train_step(batch);
+  const auto actual = s->gradients();
+  ASSERT_EQ(actual.size(), expected.size());
+  int compared = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const auto& name = actual[i].first;
+    if (name.rfind("3.", 0) == 0 || name.rfind("4.", 0) == 0) continue;
+    ++compared;
+    EXPECT_TRUE(torch::allclose(actual[i].second.cpu(), expected[i].second.cpu(), 1e-5, 1e-6))
+        << name << ": " << actual[i].second << " against the baseline's " << expected[i].second;
+  }
+  EXPECT_GE(compared, 4);  // the input layer's two, the shared weight and bias of block 1, the failing block's
+}
 
 TEST(HookOffload, frozen_parameters_are_never_sent_back) {
   // Every block's own unit; blocks 1 and 2 are (partly) frozen: only trainable bytes travel back.

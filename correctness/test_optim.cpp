@@ -9,6 +9,9 @@
 #include "models/threads.h"
 #include "strategies/optim.h"
 
+#include <chrono>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -92,24 +95,32 @@ TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
 }
 
 // parallel_chunks hands its chunks to workers kept for the life of the process (ChunkWorkers);
-// host threads only, so the cuda run repeats the cpu one.
-// Several threads calling it at once (a host optimizer's queue beside a precision pass, ranks as
-// threads) must each get every item of their own range exactly once, and their call must not
-// return before every chunk of it has run. Each caller below counts its items and checks the count
-// as soon as its call returns, so a call that returned early or ran a chunk twice fails here.
+// host threads only, so the cuda run repeats the cpu one. Several threads calling it at once (a
+// host optimizer's queue beside a precision pass, ranks as threads) must each get every item of
+// their own range exactly once, and their call must not return before every chunk of it has run.
+// Each chunk sleeps a little before it counts its items, so a call that returned while a worker's
+// chunk still ran sees that chunk uncounted; each caller checks its counts as soon as its call
+// returns. With more than one core, some chunks must have run on another thread than the caller.
 TEST(ChunkWorkers, every_item_runs_once_and_before_its_call_returns_with_callers_at_once) {
   constexpr int64_t n = (int64_t{1} << 18) * 12 + 77;  // many chunks, and a short last one
-  constexpr int callers = 4, calls = 25;
+  constexpr int callers = 4, calls = 10;
   std::vector<std::string> failures(callers);
+  std::mutex ids_mutex;
+  std::set<std::thread::id> ids;
   std::vector<std::thread> threads;
   for (int c = 0; c < callers; ++c)
     threads.emplace_back([&, c] {
       std::vector<uint8_t> seen(n);
       for (int call = 0; call < calls && failures[c].empty(); ++call) {
         parallel_chunks(n, [&](int64_t begin, int64_t end) {
+          {
+            std::lock_guard<std::mutex> lock(ids_mutex);
+            ids.insert(std::this_thread::get_id());
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
           for (int64_t i = begin; i < end; ++i) ++seen[i];
         });
-        for (int64_t i = 0; i < n; ++i)
+        for (int64_t i = n - 1; i >= 0; --i)  // the last chunks first: the ones most likely still running
           if (seen[i] != call + 1) {
             failures[c] = "caller " + std::to_string(c) + " call " + std::to_string(call) + ": item " +
                           std::to_string(i) + " ran " + std::to_string(seen[i]) + " times in all";
@@ -119,17 +130,28 @@ TEST(ChunkWorkers, every_item_runs_once_and_before_its_call_returns_with_callers
     });
   for (auto& t : threads) t.join();
   for (const auto& f : failures) EXPECT_EQ(f, "");
+  const auto callers_and_workers = ids.size();
+  if (std::thread::hardware_concurrency() > 1) {
+    EXPECT_GT(callers_and_workers, static_cast<size_t>(callers)) << "no chunk ran on a worker";
+  }
 }
 
-// An error in one chunk reaches the caller (once the others have run), and the workers take the
-// next call as usual. A parallel_chunks inside a chunk runs on that chunk's thread alone rather
-// than waiting for the job it is part of (which would never end: the test would time out).
-TEST(ChunkWorkers, an_error_reaches_the_caller_and_a_nested_call_runs_in_place) {
+// An error in one chunk reaches the caller only once every other chunk that started has finished
+// (they use the caller's stack), and the workers take the next call as usual. A parallel_chunks inside a chunk runs on that chunk's
+// thread alone rather than waiting for the job it is part of (which would never end: the test
+// would time out). Neither leaves the caller marked as inside a job.
+TEST(ChunkWorkers, an_error_reaches_the_caller_after_the_other_chunks_and_a_nested_call_runs_in_place) {
   constexpr int64_t n = (int64_t{1} << 18) * 8;
+  std::atomic<int64_t> started{0}, finished{0};
   EXPECT_THROW(parallel_chunks(n, [&](int64_t begin, int64_t) {
+                 ++started;
                  if (begin == 0) throw std::runtime_error("chunk 0 failed");
+                 std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                 ++finished;
                }),
                std::runtime_error);
+  EXPECT_EQ(finished.load(), started.load() - 1) << "the error came back while other chunks still ran";
+  EXPECT_FALSE(ChunkWorkers::inside_job());
   std::atomic<int64_t> items{0}, outer_chunks{0};
   parallel_chunks(n, [&](int64_t begin, int64_t end) {
     ++outer_chunks;
@@ -137,6 +159,7 @@ TEST(ChunkWorkers, an_error_reaches_the_caller_and_a_nested_call_runs_in_place) 
     items += end - begin;
   });
   EXPECT_EQ(items.load(), n + outer_chunks.load() * n);
+  EXPECT_FALSE(ChunkWorkers::inside_job());
 }
 
 }  // namespace

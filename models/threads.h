@@ -42,29 +42,39 @@ void run_on_threads(size_t threads, F&& work) {
   if (failure) std::rethrow_exception(failure);
 }
 
+template <typename F>
+void parallel_chunks(int64_t n, F fn);
+
 /// The cores' workers for parallel_chunks: hardware_concurrency() - 1 threads started on first use
 /// and kept for the life of the process, so a call costs a wake-up rather than starting and
 /// joining a thread per core (a host optimizer calls it once per unit, every step). One job at a
-/// time: a second caller waits for the first one's job to end. A job started from inside a job
-/// (a nested parallel_chunks) would wait for itself, so it runs on its caller alone.
+/// time: a second caller waits for the first one's job to end, so a job must never wait for
+/// another thread that may itself call parallel_chunks. A job started from inside a job (a nested
+/// parallel_chunks) would wait for itself, so it runs on its caller alone.
 class ChunkWorkers {
  public:
+  /// True on a thread running a job's work (the caller's share included).
+  static bool& inside_job() {
+    thread_local bool inside = false;
+    return inside;
+  }
+
+ private:
+  template <typename F>
+  friend void parallel_chunks(int64_t n, F fn);
+
   /// Never destroyed: its threads wait for work until the process ends, and a static destructor
   /// that joined them could run while another static's destructor still uses the workers.
   static ChunkWorkers& instance() {
     static ChunkWorkers* workers = new ChunkWorkers();
     return *workers;
   }
-  /// True on a thread running a job's work (the caller's share included).
-  static bool& inside_job() {
-    thread_local bool inside = false;
-    return inside;
-  }
-  /// Calls work() on the calling thread and on every worker, and returns when every call has
-  /// returned; the first exception thrown by any call is rethrown here. work() must take its
-  /// items from a shared counter (a worker may find none left).
+
+  /// Calls work() on the calling thread and on up to `helpers` workers, and returns when every
+  /// call has returned; the first exception thrown by any call is rethrown here. work() must take
+  /// its items from a shared counter (a worker may find none left).
   template <typename F>
-  void run(F&& work) {
+  void run(size_t helpers, F&& work) {
     std::exception_ptr failure;
     std::mutex failure_mutex;
     std::function<void()> guarded = [&] {
@@ -79,13 +89,16 @@ class ChunkWorkers {
     };
     {
       std::lock_guard<std::mutex> one_job(job_mutex_);
+      helpers = std::min(helpers, threads_.size());
       {
         std::lock_guard<std::mutex> lock(mutex_);
         job_ = &guarded;
-        running_ = threads_.size();
+        slots_ = running_ = helpers;
         ++generation_;
       }
-      wake_.notify_all();
+      // Each wakes one waiting worker, which takes a slot. A worker still on its way back from
+      // the last job finds the slot when it next checks, before it waits.
+      for (size_t h = 0; h < helpers; ++h) wake_.notify_one();
       guarded();
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [&] { return running_ == 0; });
@@ -94,9 +107,9 @@ class ChunkWorkers {
     if (failure) std::rethrow_exception(failure);
   }
 
- private:
   ChunkWorkers() {
     const size_t wanted = std::max(1u, std::thread::hardware_concurrency()) - 1;
+    threads_.reserve(wanted);  // no reallocation once threads hold `this`
     for (size_t t = 0; t < wanted; ++t) {
       try {
         threads_.emplace_back([this] { serve(); });
@@ -105,14 +118,16 @@ class ChunkWorkers {
       }
     }
   }
+
   void serve() {
-    uint64_t seen = 0;
+    uint64_t taken = 0;  // the last job this worker took a slot of
     for (;;) {
       const std::function<void()>* job = nullptr;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lock, [&] { return generation_ != taken && slots_ > 0; });
+        --slots_;
+        taken = generation_;
         job = job_;
       }
       (*job)();  // guarded: never throws
@@ -122,11 +137,12 @@ class ChunkWorkers {
   }
 
   std::mutex job_mutex_;  ///< held by the caller of run() for the whole job
-  std::mutex mutex_;      ///< guards job_, running_, generation_
+  std::mutex mutex_;      ///< guards job_, slots_, running_, generation_
   std::condition_variable wake_, done_;
   const std::function<void()>* job_ = nullptr;
-  size_t running_ = 0;       ///< workers that have not finished the current job
-  uint64_t generation_ = 0;  ///< counts jobs; a worker runs each one once
+  size_t slots_ = 0;         ///< workers the current job still takes
+  size_t running_ = 0;       ///< workers taken by the current job that have not finished it
+  uint64_t generation_ = 0;  ///< counts jobs
   std::vector<std::thread> threads_;
 };
 
@@ -148,7 +164,7 @@ void parallel_chunks(int64_t n, F fn) {
   const int64_t chunks = std::min<int64_t>(4 * threads, n / kMinChunk);  // >= threads, as threads <= n / kMinChunk
   const int64_t chunk = (n + chunks - 1) / chunks;
   std::atomic<int64_t> next{0};
-  ChunkWorkers::instance().run([&] {
+  ChunkWorkers::instance().run(static_cast<size_t>(threads - 1), [&] {
     for (int64_t c = next++; c * chunk < n; c = next++) fn(c * chunk, std::min(n, (c + 1) * chunk));
   });
 }

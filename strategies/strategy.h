@@ -37,7 +37,7 @@ struct Stats {
   /// deferred into the next step): the device work of such a step waits for the host.
   int64_t fetches_behind_host_updates = 0;
   /// Wall time the host spent applying the step's gradients, for strategies that step on the host:
-  /// the optimizer pass, and the host work it needs first (a tied or accumulated gradient's sum,
+  /// the optimizer pass, and the host work it needs first (an accumulated gradient's sum,
   /// fp16's unscaling), counted from the moment the gradients had landed. Set against the step
   /// time, how busy the host optimizer was (and, against its bytes, at what rate).
   double host_update_ms = 0.0;

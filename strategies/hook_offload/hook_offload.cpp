@@ -323,8 +323,9 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       auto g = grad_of.at(t.unsafeGetTensorImpl());
       parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options()));
     }
-    // A fresh autograd result, read by the copy only; marked in use by the copy stream below.
-    // Gradients return in the reduction dtype (fp32): compute-dtype ones are widened first.
+    // A fresh autograd result, read by the device sum (compute stream) or by the copy (marked in
+    // use by the copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
+    // compute-dtype ones are widened first.
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
     if (flat.scalar_type() != torch::kFloat) flat = flat.to(torch::kFloat);
     if (--unit.pending_users > 0) {

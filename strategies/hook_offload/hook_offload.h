@@ -5,7 +5,9 @@
 // and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
 // as a block's backward is done; the optimizer runs on the host. A tied parameter is one host copy,
 // loaded once per use window by reference count, and receives the sum of its uses' gradients,
-// added on the device as each use's backward ends and sent to the host once, after the last.
+// added on the device as each use's backward ends and sent to the host once, after the last. That
+// unit's fp32 gradient stays on the device from its first use's backward to its last's: for the
+// GPT the whole backward, after the head's logits are freed (gpt-871m's peak did not move).
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
