@@ -4,12 +4,15 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include "models/check.h"
 
 namespace strata {
 
@@ -42,10 +45,26 @@ void run_on_threads(size_t threads, F&& work) {
   if (failure) std::rethrow_exception(failure);
 }
 
+/// Host threads for parallel work: STRATA_HOST_THREADS when set (a positive integer: fewer to
+/// leave cores to other work, or more than the cores to test the worker pool on a small machine),
+/// else the machine's hardware threads. Read once.
+inline size_t host_threads() {
+  static const size_t threads = [] {
+    const char* text = std::getenv("STRATA_HOST_THREADS");
+    if (!text || !*text) return static_cast<size_t>(std::max(1u, std::thread::hardware_concurrency()));
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    STRATA_CHECK(*end == '\0' && value > 0 && value <= 4096,
+                 "STRATA_HOST_THREADS='" << text << "' is not a thread count from 1 to 4096");
+    return static_cast<size_t>(value);
+  }();
+  return threads;
+}
+
 template <typename F>
 void parallel_chunks(int64_t n, F fn);
 
-/// The cores' workers for parallel_chunks: hardware_concurrency() - 1 threads started on first use
+/// The cores' workers for parallel_chunks: host_threads() - 1 threads started on first use
 /// and kept for the life of the process, so a call costs a wake-up rather than starting and
 /// joining a thread per core (a host optimizer calls it once per unit, every step). One job at a
 /// time: a second caller waits for the first one's job to end, so a job must never wait for
@@ -108,7 +127,7 @@ class ChunkWorkers {
   }
 
   ChunkWorkers() {
-    const size_t wanted = std::max(1u, std::thread::hardware_concurrency()) - 1;
+    const size_t wanted = host_threads() - 1;
     threads_.reserve(wanted);  // no reallocation once threads hold `this`
     for (size_t t = 0; t < wanted; ++t) {
       try {
@@ -146,7 +165,7 @@ class ChunkWorkers {
   std::vector<std::thread> threads_;
 };
 
-/// Runs fn(begin, end) over [0, n) split across the machine's cores, in up to four chunks a core
+/// Runs fn(begin, end) over [0, n) split across host_threads() threads, in up to four chunks a thread
 /// (of at least 2^18 items), taken in turn, so a thread that loses its core for a while (to a
 /// thread spinning on the device, say) delays a quarter of its share rather than the whole call.
 /// The calling thread takes chunks too; the others are ChunkWorkers'. std::thread rather than
@@ -156,7 +175,7 @@ template <typename F>
 void parallel_chunks(int64_t n, F fn) {
   constexpr int64_t kMinChunk = 1 << 18;
   const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n / kMinChunk));
+      std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(host_threads()), n / kMinChunk));
   if (threads == 1 || ChunkWorkers::inside_job()) {
     fn(0, n);
     return;
