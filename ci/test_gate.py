@@ -179,7 +179,20 @@ def gates_host_bound_cells_on_device_time_when_hosts_differ():
     expect(*run(slower_host, base, host_now="cpu-b"), 0, "fwd_bwd_ms")
     slower_device = reps("h/m", 700, fwd_bwd_ms=120.0, host_bound=1)
     expect(*run(slower_device, base, host_now="cpu-b"), 1, "device time")
-    expect(*run(slower_host, base), 1, "throughput 0.700")  # same host: the whole step counts
+    expect(*run(slower_host, base), 1, "throughput 0.700")  # same host: the whole step counts, at 25%
+
+
+@case
+def gates_a_host_bound_step_on_one_host_class_at_the_cap_and_its_device_time_as_usual():
+    # A host pass of unchanged code moved 16% between two cells of one run: a 10% slower step passes,
+    # a 30% slower one does not, and the device time keeps the spread rule.
+    base = reps("h/m", 1000, fwd_bwd_ms=100.0, host_bound=1)
+    status, out = run(reps("h/m", 900, fwd_bwd_ms=100.0, host_bound=1), base)
+    expect(status, out, 0, "-25.0%")
+    if "fwd_bwd_ms" not in out:
+        raise AssertionError("the device time of a host-bound cell was not gated:\n" + out)
+    expect(*run(reps("h/m", 700, fwd_bwd_ms=100.0, host_bound=1), base), 1, "a host-bound step")
+    expect(*run(reps("h/m", 1000, fwd_bwd_ms=110.0, host_bound=1), base), 1, "device time (fwd+bwd) 0.909")
 
 
 @case
