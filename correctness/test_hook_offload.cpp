@@ -126,6 +126,33 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
   }
 }
 
+// A resident block's copy is refreshed inside optimizer_step, as soon as its own update has run
+// (beside the rest of the host pass), so the next forward does not open with that fetch: the step
+// fetches block 0's window once (its bytes, counted in optimizer_step) and the next train_step
+// none of it. Parity with resident blocks is the properties' (they draw resident=...).
+TEST(HookOffload, a_resident_block_is_refreshed_in_the_optimizer_step) {
+  auto s = make_offload({{"resident", "0"}});
+  const auto config = gpt(3, 16);
+  auto model = models::build_model(config, 0);
+  const int64_t window0 = window_bytes(model, 0);
+  s->attach(std::move(model));
+  const auto batch = models::make_batch(config, 2, 1);
+  s->train_step(batch);
+  s->reset_stats();
+  s->optimizer_step();
+  EXPECT_EQ(s->stats().bytes_h2d, window0) << "the resident window was not refreshed by optimizer_step";
+  s->reset_stats();
+  s->train_step(batch);
+  const auto with_resident = s->stats().bytes_h2d;
+  s->optimizer_step();
+  // The same step fetches no more than it did before the first update (when nothing was stale).
+  auto fresh = make_offload({{"resident", "0"}});
+  fresh->attach(models::build_model(config, 0));
+  fresh->reset_stats();
+  fresh->train_step(batch);
+  EXPECT_EQ(with_resident, fresh->stats().bytes_h2d) << "the next train_step fetched the resident window again";
+}
+
 TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
   auto s = make_offload({{"resident", "1"}});
   const auto config = gpt(3, 16);

@@ -591,16 +591,25 @@ void HookOffload::optimizer_step() {
     device::TimeInto timed(host_update_ns_);
     const bool finite = scaler_.unscale(grads);
     scaler_.update(finite);
+    // Units on the device for good (resident blocks) first, each refreshed as soon as its update
+    // has run: the copy then overlaps the rest of this host pass rather than opening the next
+    // forward. (After train_step only resident windows hold references.)
     for (auto& unit : units_)
-      if (unit.grad_filled && finite) update_on_host(unit);
+      if (unit.references > 0 && unit.grad_filled && finite) {
+        update_on_host(unit);
+        unit.stale = true;
+        refresh_if_stale(unit);
+      }
+    for (auto& unit : units_)
+      if (unit.references == 0 && unit.grad_filled && finite) update_on_host(unit);
   }
   step_in_flight_ = false;
   step_update_hold_.reset();
   for (auto& unit : units_) {
     unit.grad_filled = false;
-    // Resident blocks compute from their device copy: it is brought up to date when their window
-    // is next held (hold_window), behind the unit's update and the compute still reading it.
-    if (unit.references > 0) unit.stale = true;
+    // overlap mode: resident blocks compute from their device copy, brought up to date when their
+    // window is next held (hold_window), behind the unit's update and the compute still reading it.
+    if (options_.overlap_optimizer && unit.references > 0) unit.stale = true;
   }
   if (failed_update) std::rethrow_exception(failed_update);
 }
