@@ -145,7 +145,7 @@ TEST(HookOffload, a_resident_block_is_refreshed_in_the_optimizer_step) {
   s->train_step(batch);
   const auto with_resident = s->stats().bytes_h2d;
   s->optimizer_step();
-  // The same step fetches no more than it did before the first update (when nothing was stale).
+  // The same bytes as a first step, when nothing was stale yet.
   auto fresh = make_offload({{"resident", "0"}});
   fresh->attach(models::build_model(config, 0));
   fresh->reset_stats();
@@ -344,31 +344,31 @@ TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
     for (int prefetch : {0, 2}) {
-     for (bool accumulate : {false, true}) {
-      auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
-      const auto config = models::preset(preset).config;
-      s->attach(models::build_model(config, 0));
-      const auto batch = models::make_batch(config, 2, 1);
-      const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch) +
-                                (accumulate ? " accumulating" : "");
-      s->train_step(batch);
-      s->finish_backward();
-      if (!accumulate) s->optimizer_step();
-      auto gate = std::make_shared<device::Gate>();
-      s->hold_gradient_copies(gate);
-      // Should train_step itself wait for a held copy, the gate opens after a while and the test
-      // fails below instead of hanging.
-      OpenLater guard(gate, 30s);
-      s->train_step(batch);
-      const bool in_flight = s->gradients_in_flight();
-      gate->open();
-      guard.join();
-      EXPECT_FALSE(guard.forced()) << where << ": train_step waited for its own gradient copies to the host";
-      EXPECT_TRUE(in_flight) << where << ": no copy was running when train_step returned";
-      s->finish_backward();
-      EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
-      s->optimizer_step();
-     }
+      for (bool accumulate : {false, true}) {
+        auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
+        const auto config = models::preset(preset).config;
+        s->attach(models::build_model(config, 0));
+        const auto batch = models::make_batch(config, 2, 1);
+        const std::string where = std::string(preset) + " prefetch=" + std::to_string(prefetch) +
+                                  (accumulate ? " accumulating" : "");
+        s->train_step(batch);
+        s->finish_backward();
+        if (!accumulate) s->optimizer_step();
+        auto gate = std::make_shared<device::Gate>();
+        s->hold_gradient_copies(gate);
+        // Should train_step itself wait for a held copy, the gate opens after a while and the test
+        // fails below instead of hanging.
+        OpenLater guard(gate, 30s);
+        s->train_step(batch);
+        const bool in_flight = s->gradients_in_flight();
+        gate->open();
+        guard.join();
+        EXPECT_FALSE(guard.forced()) << where << ": train_step waited for its own gradient copies to the host";
+        EXPECT_TRUE(in_flight) << where << ": no copy was running when train_step returned";
+        s->finish_backward();
+        EXPECT_FALSE(s->gradients_in_flight()) << where << ": gradients still on their way after finish_backward";
+        s->optimizer_step();
+      }
     }
   }
 }

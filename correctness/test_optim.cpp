@@ -137,9 +137,10 @@ TEST(ChunkWorkers, every_item_runs_once_and_before_its_call_returns_with_callers
 }
 
 // An error in one chunk reaches the caller only once every other chunk that started has finished
-// (they use the caller's stack), and the workers take the next call as usual. A parallel_chunks inside a chunk runs on that chunk's
-// thread alone rather than waiting for the job it is part of (which would never end: the test
-// would time out). Neither leaves the caller marked as inside a job.
+// (they use the caller's stack), and the workers take the next call as usual. A parallel_chunks
+// inside a chunk runs on that chunk's thread alone rather than waiting for the job it is part of
+// (which would never end: the test would time out). Neither leaves the caller marked as inside a
+// job.
 TEST(ChunkWorkers, an_error_reaches_the_caller_after_the_other_chunks_and_a_nested_call_runs_in_place) {
   constexpr int64_t n = (int64_t{1} << 18) * 8;
   std::atomic<int64_t> started{0}, finished{0};
