@@ -155,13 +155,14 @@ double measure_h2d_gbps(const torch::Device& device) {
 }
 
 // The host's memory bandwidth as STREAM's triad counts it (a[i] = b[i] + s c[i] over three 512 MiB
-// arrays, every core, 12 bytes per element): what bounds an optimizer that runs on the host. Its
-// AdamW pass reads parameter, gradient and both moments and writes three of them, 28 bytes per
-// parameter counted the same way, so 28 x parameters / this rate is the host pass's floor. Each
-// timed pass starts its threads (well under a millisecond of a ~20 ms pass): a slight understatement.
+// arrays, on host_threads() threads, 12 bytes per element): what bounds an optimizer that runs on
+// the host. Its AdamW pass reads parameter, gradient and both moments and writes three of them, 28
+// bytes per parameter counted the same way, so 28 x parameters / this rate is the host pass's
+// floor. Each timed pass starts its threads (well under a millisecond of a ~20 ms pass): a slight
+// understatement.
 double measure_host_triad_gbps() {
   const int64_t n = int64_t{1} << 27;
-  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = host_threads();  // as many as the host optimizer's passes use
   // Left uninitialised here, so the threads' first pass below is what places the pages (spread
   // over the cores, though not pinned: a later pass may hand a thread another thread's chunk).
   const std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
