@@ -16,22 +16,38 @@
 
 namespace strata {
 
+/// The first exception thrown by any of several threads' calls, kept for the thread that waits for
+/// them all to rethrow.
+class FirstFailure {
+ public:
+  /// Calls work(), keeping what it throws if nothing was kept before.
+  template <typename F>
+  void call(F&& work) {
+    try {
+      work();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!failure_) failure_ = std::current_exception();
+    }
+  }
+  /// Rethrows the kept exception, if any (call once every thread is done).
+  void rethrow() const {
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::exception_ptr failure_;
+};
+
 /// Calls work() on the calling thread and on up to `threads - 1` more, and returns when every call
 /// has returned. work() must take its items from a shared counter: a thread the system refuses to
 /// start (a capped address space, a thread limit) is then simply not used, and the others do its
 /// share. The first exception thrown by any call is rethrown here, after all threads have joined.
 template <typename F>
 void run_on_threads(size_t threads, F&& work) {
-  std::exception_ptr failure;
-  std::mutex failure_mutex;
-  auto guarded = [&] {
-    try {
-      work();
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(failure_mutex);
-      if (!failure) failure = std::current_exception();
-    }
-  };
+  FirstFailure failure;
+  auto guarded = [&] { failure.call(work); };
   std::vector<std::thread> pool;
   for (size_t t = 1; t < threads; ++t) {
     try {
@@ -42,7 +58,7 @@ void run_on_threads(size_t threads, F&& work) {
   }
   guarded();
   for (auto& th : pool) th.join();
-  if (failure) std::rethrow_exception(failure);
+  failure.rethrow();
 }
 
 /// Host threads for parallel work: STRATA_HOST_THREADS when set (a positive integer: fewer to
@@ -94,16 +110,10 @@ class ChunkWorkers {
   /// its items from a shared counter (a worker may find none left).
   template <typename F>
   void run(size_t helpers, F&& work) {
-    std::exception_ptr failure;
-    std::mutex failure_mutex;
+    FirstFailure failure;
     std::function<void()> guarded = [&] {
       inside_job() = true;
-      try {
-        work();
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(failure_mutex);
-        if (!failure) failure = std::current_exception();
-      }
+      failure.call(work);
       inside_job() = false;
     };
     {
@@ -123,7 +133,7 @@ class ChunkWorkers {
       done_.wait(lock, [&] { return running_ == 0; });
       job_ = nullptr;
     }
-    if (failure) std::rethrow_exception(failure);
+    failure.rethrow();
   }
 
   ChunkWorkers() {

@@ -157,7 +157,7 @@ def reference_speed(rs, peers, triad):
                        f"{judged} |")
     host = [r for r in mine.values() if r.get("optimizer_on_host") and r.get("parameters")]
     if host and triad > 0:
-        out.append(f"\nHost optimizer against the host's memory bandwidth (triad {triad:.1f} GB/s, every core; "
+        out.append(f"\nHost optimizer against the host's memory bandwidth (triad {triad:.1f} GB/s, on the host optimizer's threads; "
                    f"{HOST_BYTES_PER_PARAM} bytes per parameter, 30 where a bf16/fp16 travelling copy is written; "
                    "floor = max(device fwd+bwd, host pass at that bandwidth); host busy = the host's own time applying "
                    "the gradients per step (`host_update_ms`; the optimizer phase where a run lacks it), and the "

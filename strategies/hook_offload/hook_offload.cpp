@@ -513,8 +513,8 @@ double HookOffload::train_step(const models::Batch& batch) {
     released_late_ = -1;
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
-    for (auto& unit : units_) unit.device_grad = torch::Tensor();  // a failed backward's partial sums
     if (failed) {
+      for (auto& unit : units_) unit.device_grad = torch::Tensor();  // a failed backward's partial sums
       try {
         host_.drain();
       } catch (...) {  // the step's own error is the one to report
