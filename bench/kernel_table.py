@@ -2,11 +2,12 @@
 """Tabulates the GPU work of profiled steps, side by side: Chrome traces from
 `strata_compare --profile=DIR` (LibTorch's profiler) and `bench/peers.py --profile=DIR`
 (torch.profiler) read alike. For each trace: GPU busy time (kernels, copies, sets), kernel count,
-the span from the first GPU activity to the last; then time by kernel class (matrix products,
-attention, layer norm, loss, ...) with the difference against the first trace, and the top kernels
-of each.
+the span from the first GPU activity to the last, bytes copied each way; then time by kernel class
+(matrix products, attention, layer norm, loss, ...) with the difference against the first trace,
+the top kernels of each, and the longest stretches without a kernel (the start and end of the
+span included), with the copies that ran during each: where compute waited for the link.
 
-    kernel_table.py A.trace.json B.trace.json [...] [--labels a,b] [--top N] [--markdown OUT.md]
+    kernel_table.py A.trace.json B.trace.json [...] [--labels a,b] [--top N] [--gaps N] [--markdown OUT.md]
 """
 import argparse
 import collections
@@ -31,7 +32,7 @@ CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"
 
 
 def load(path):
-    """GPU activities of a trace as (name, category, start us, duration us)."""
+    """GPU activities of a trace as (name, category, start us, duration us, bytes)."""
     with open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -39,7 +40,8 @@ def load(path):
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in CATEGORIES:
             continue
-        out.append((e.get("name", "?"), e["cat"].lower(), float(e.get("ts", 0)), float(e.get("dur", 0))))
+        nbytes = int(e.get("args", {}).get("bytes", 0))
+        out.append((e.get("name", "?"), e["cat"].lower(), float(e.get("ts", 0)), float(e.get("dur", 0)), nbytes))
     if not out:
         sys.exit(f"kernel_table.py: {path} holds no GPU activity (was it recorded on a GPU, with CUDA activities?)")
     return out
@@ -59,30 +61,50 @@ def classify(name, category):
 def summarize(events):
     by_class = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
-    for name, cat, _, dur in events:
+    copied = collections.defaultdict(lambda: [0, 0.0])  # direction -> bytes, us
+    for name, cat, _, dur, nbytes in events:
+        if "memcpy" in cat:
+            copied[direction(name)][0] += nbytes
+            copied[direction(name)][1] += dur
         c = by_class[classify(name, cat)]
         c[0] += dur / 1e3
         c[1] += 1
         n = by_name[name]
         n[0] += dur / 1e3
         n[1] += 1
-    busy = sum(d for *_, d in events) / 1e3
-    span = (max(t + d for _, _, t, d in events) - min(t for _, _, t, _ in events)) / 1e3
-    kernels = sum(1 for _, cat, _, _ in events if "kernel" in cat)
-    return {"busy": busy, "span": span, "kernels": kernels, "by_class": by_class, "by_name": by_name}
+    busy = sum(e[3] for e in events) / 1e3
+    span = (max(e[2] + e[3] for e in events) - min(e[2] for e in events)) / 1e3
+    kernels = sum(1 for e in events if "kernel" in e[1])
+    return {"busy": busy, "span": span, "kernels": kernels, "by_class": by_class, "by_name": by_name,
+            "copied": copied}
+
+
+def direction(name):
+    """HtoD, DtoH, DtoD, ... from a copy's name ("Memcpy HtoD (Pinned -> Device)")."""
+    m = re.search(r"\b([A-Za-z])to([A-Za-z])\b", name)
+    return f"{m.group(1).upper()}to{m.group(2).upper()}" if m else "copy"
 
 
 def compute_gaps(events, count):
-    """The longest stretches in which no kernel ran (copies may have), with the kernels around them:
-    where a strategy's compute waited, e.g. for a block's parameters to arrive."""
-    kernels = sorted((t, t + d, name) for name, cat, t, d in events if "kernel" in cat)
-    gaps, end, last = [], None, None
+    """The longest stretches in which no kernel ran, with the kernels around them ("(start)" and
+    "(end)" for the span's first and last GPU activity, a copy or a set) and the copies that ran
+    during each, as "HtoD 201 MB": where a strategy's compute waited, e.g. for a block's parameters
+    to arrive or its gradients to leave. Returns them longest first, and their total in us."""
+    kernels = sorted((t, t + d, name) for name, cat, t, d, _ in events if "kernel" in cat)
+    copies = [(t, t + d, f"{direction(name)} {nbytes / 1e6:.0f} MB")
+              for name, cat, t, d, nbytes in events if "memcpy" in cat]
+    first = min(e[2] for e in events)
+    last_end = max(e[2] + e[3] for e in events)
+    spans, end, last = [], first, "(start)"
     for start, stop, name in kernels:
-        if end is not None and start > end:
-            gaps.append((start - end, last, name))
-        if end is None or stop > end:
-            end, last = stop, name
-    return sorted(gaps, reverse=True)[:count], sum(g for g, _, _ in gaps)
+        if start > end:
+            spans.append((end, start, last, name))
+        if stop > end or last == "(start)":
+            end, last = max(stop, end), name
+    if last_end > end:
+        spans.append((end, last_end, last, "(end)"))
+    gaps = [(b - a, before, after, [c for s, e, c in copies if s < b and e > a]) for a, b, before, after in spans]
+    return sorted(gaps, key=lambda g: -g[0])[:count], sum(g[0] for g in gaps)
 
 
 def short(name, width=96):
@@ -90,13 +112,19 @@ def short(name, width=96):
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def tables(paths, labels, top):
+def tables(paths, labels, top, gap_count=5):
     traces = [load(p) for p in paths]
     sums = [summarize(events) for events in traces]
     lines = ["| | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     lines.append("| GPU busy ms | " + " | ".join(f"{s['busy']:.1f}" for s in sums) + " |")
     lines.append("| GPU span ms (first to last activity) | " + " | ".join(f"{s['span']:.1f}" for s in sums) + " |")
     lines.append("| kernels | " + " | ".join(str(s["kernels"]) for s in sums) + " |")
+    for way in sorted({w for s in sums for w in s["copied"]}):
+        cells = []
+        for s in sums:
+            nbytes, us = s["copied"].get(way, (0, 0.0))
+            cells.append(f"{nbytes / 1e9:.3f} GB" + (f" at {nbytes / us / 1e3:.1f} GB/s" if us > 0 else ""))
+        lines.append(f"| copied {way} | " + " | ".join(cells) + " |")
     lines.append("")
     classes = sorted({c for s in sums for c in s["by_class"]}, key=lambda c: -max(s["by_class"][c][0] for s in sums))
     head = "| class | " + " | ".join(f"{l} ms (n)" for l in labels)
@@ -111,11 +139,11 @@ def tables(paths, labels, top):
         for name, (ms, n) in sorted(s["by_name"].items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"| {ms:.2f} | {n} | {ms / s['busy']:.1%} | `{short(name)}` |")
     for label, events in zip(labels, traces):
-        gaps, total = compute_gaps(events, 5)
+        gaps, total = compute_gaps(events, gap_count)
         lines += ["", f"Compute idle, {label}: {total / 1e3:.2f} ms without a kernel running; the longest stretches:",
-                  "", "| ms | after | before |", "|---:|---|---|"]
-        for g, before, after in gaps:
-            lines.append(f"| {g / 1e3:.2f} | `{short(before, 60)}` | `{short(after, 60)}` |")
+                  "", "| ms | after | before | copies meanwhile |", "|---:|---|---|---|"]
+        for g, before, after, during in gaps:
+            lines.append(f"| {g / 1e3:.2f} | `{short(before, 60)}` | `{short(after, 60)}` | {', '.join(during) or '-'} |")
     return "\n".join(lines)
 
 
@@ -124,12 +152,13 @@ def main():
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--labels", help="comma-separated, one per trace (default: the file names)")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--gaps", type=int, default=5, help="how many of the longest compute-idle stretches to list")
     ap.add_argument("--markdown", help="also write the tables to this file")
     args = ap.parse_args()
     labels = args.labels.split(",") if args.labels else [p.split("/")[-1].replace(".trace.json", "") for p in args.traces]
     if len(labels) != len(args.traces):
         sys.exit(f"kernel_table.py: {len(labels)} labels for {len(args.traces)} traces")
-    text = tables(args.traces, labels, args.top)
+    text = tables(args.traces, labels, args.top, args.gaps)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
