@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -87,17 +88,31 @@ int64_t window_bytes(const models::BlockModel& m, int64_t b) {
   return n;
 }
 
+// Bytes of the parameters windows 0 to `last` use, each parameter once (a tied one is in several).
+int64_t opening_bytes(const models::BlockModel& m, int64_t last) {
+  std::set<const void*> seen;
+  int64_t n = 0;
+  for (int64_t b = 0; b <= last; ++b)
+    for (const auto& p : m.blocks()[b]->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel() * 4;
+  return n;
+}
+
 TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_and_step) {
   for (const char* activations : {"recompute", "keep"}) {
     for (int prefetch : {0, 1, 3}) {
       auto s = make_offload({{"prefetch", std::to_string(prefetch)}, {"activations", activations}});
       const auto config = gpt(3, 16);
+      const auto model = models::build_model(config, 0);
+      const int64_t opening = prefetch > 0 ? opening_bytes(model, std::min<int64_t>(prefetch, model.num_blocks() - 1)) : 0;
       s->attach(models::build_model(config, 0));
       const auto dev = test::device();
       const auto batch = models::make_batch(config, 2, 1);
-      // One step first: the math libraries keep workspaces (cuBLAS: tens of MiB) for good.
+      // One step first: the math libraries keep workspaces (cuBLAS: tens of MiB) for good. Its
+      // optimizer_step leaves the next forward's first windows on the device; a forward uses them.
       s->train_step(batch);
       s->optimizer_step();
+      s->forward(batch.input);
       device::synchronize(dev);
       const auto allocated_at_rest = device::allocator_stats(dev).allocated;
       const std::string where = std::string(activations) + " prefetch=" + std::to_string(prefetch);
@@ -116,7 +131,10 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
         EXPECT_EQ(device::allocator_stats(dev).allocated, allocated_at_rest) << "after backward, " << where;
       }
       s->optimizer_step();
-      EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "after the step, " << where;
+      // Only the windows the next forward opens with, fetched ahead (none without prefetch).
+      EXPECT_EQ(s->offloaded_bytes_on_device(), opening) << "after the step, " << where;
+      s->forward(batch.input);
+      EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "after the step and a forward, " << where;
       device::synchronize(dev);
       if (dev.is_cuda()) {
         // The allocator agrees: nothing the step allocated is still held.
@@ -126,12 +144,46 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
   }
 }
 
+// In plain mode optimizer_step fetches the windows the next forward opens with (0 to prefetch),
+// each once its units are updated: it moves their bytes, and the next train_step moves that much
+// less than a first step. Whether they hold the updated values is the parity properties' (they
+// compare every step's loss and gradients). The overlapped optimizer and prefetch=0 fetch nothing
+// there.
+TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_step) {
+  const auto config = gpt(3, 16);
+  const auto batch = models::make_batch(config, 2, 1);
+  const auto model = models::build_model(config, 0);
+  for (int prefetch : {0, 1, 2}) {
+    for (const char* overlap : {"0", "1"}) {
+      const std::string where = "prefetch=" + std::to_string(prefetch) + " overlap_optimizer=" + overlap;
+      const int64_t expected = prefetch > 0 && std::string(overlap) == "0" ? opening_bytes(model, prefetch) : 0;
+      auto options = std::map<std::string, std::string>{{"prefetch", std::to_string(prefetch)},
+                                                        {"overlap_optimizer", overlap}};
+      auto s = make_offload(options);
+      s->attach(models::build_model(config, 0));
+      s->reset_stats();
+      s->train_step(batch);
+      const auto first_step = s->stats().bytes_h2d;
+      s->reset_stats();
+      s->optimizer_step();
+      s->finish_step();
+      EXPECT_EQ(s->stats().bytes_h2d, expected) << where;
+      EXPECT_EQ(s->offloaded_bytes_on_device(), expected) << where;
+      s->reset_stats();
+      s->train_step(batch);
+      EXPECT_EQ(s->stats().bytes_h2d, first_step - expected) << where;
+      s->optimizer_step();
+    }
+  }
+}
+
 // A resident block's copy is refreshed inside optimizer_step, as soon as its own update has run
 // (beside the rest of the host pass), so the next forward does not open with that fetch: the step
 // fetches block 0's window once (its bytes, counted in optimizer_step) and the next train_step
 // none of it. Parity with resident blocks is the properties' (they draw resident=...).
 TEST(HookOffload, a_resident_block_is_refreshed_in_the_optimizer_step) {
-  auto s = make_offload({{"resident", "0"}});
+  // prefetch=0: no other window is fetched ahead by optimizer_step (the test above has those).
+  auto s = make_offload({{"resident", "0"}, {"prefetch", "0"}});
   const auto config = gpt(3, 16);
   auto model = models::build_model(config, 0);
   const int64_t window0 = window_bytes(model, 0);
@@ -146,7 +198,7 @@ TEST(HookOffload, a_resident_block_is_refreshed_in_the_optimizer_step) {
   const auto with_resident = s->stats().bytes_h2d;
   s->optimizer_step();
   // The same bytes as a first step, when nothing was stale yet.
-  auto fresh = make_offload({{"resident", "0"}});
+  auto fresh = make_offload({{"resident", "0"}, {"prefetch", "0"}});
   fresh->attach(models::build_model(config, 0));
   fresh->reset_stats();
   fresh->train_step(batch);
@@ -160,9 +212,9 @@ TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
   const int64_t resident = window_bytes(model, 1);
   s->attach(std::move(model));
   s->train_step(models::make_batch(config, 2, 1));
-  s->optimizer_step();
   EXPECT_EQ(s->offloaded_bytes_on_device(), 0);
   EXPECT_EQ(s->stats().devices.at(test::device().str()).resident_param_bytes, resident);
+  s->optimizer_step();
 }
 
 TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {

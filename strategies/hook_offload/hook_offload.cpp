@@ -1,6 +1,8 @@
 #include "strategies/hook_offload/hook_offload.h"
 
+#include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -136,6 +138,10 @@ void HookOffload::attach_model(models::BlockModel model) {
   }
   for (int64_t b = static_cast<int64_t>(windows_.size()) - 1; b >= 0; --b)
     for (auto u : windows_[b]) units_[u].first_use = b;
+  by_first_use_.resize(units_.size());
+  std::iota(by_first_use_.begin(), by_first_use_.end(), 0);
+  std::stable_sort(by_first_use_.begin(), by_first_use_.end(),
+                   [&](int64_t a, int64_t b) { return units_[a].first_use < units_[b].first_use; });
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
@@ -600,8 +606,30 @@ void HookOffload::optimizer_step() {
         unit.stale = true;
         refresh_if_stale(unit);
       }
-    for (auto& unit : units_)
+    // The others in the order the next forward needs them. The windows that forward opens with
+    // (0 to prefetch) are fetched as soon as their units are updated, so their copies run beside
+    // the rest of this pass, while the link is otherwise idle, and not at the forward's start.
+    const auto opening = options_.prefetch > 0
+                             ? std::min<int64_t>(options_.prefetch + 1, static_cast<int64_t>(windows_.size()))
+                             : 0;
+    int64_t next_window = 0;
+    auto fetch_windows_through = [&](int64_t last) {
+      for (; next_window < opening && next_window <= last; ++next_window) {
+        try {
+          hold_window(next_window);
+        } catch (const c10::OutOfMemoryError&) {
+          // The updates are applied; the forward fetches these windows itself and reports the error
+          // if it persists.
+          next_window = opening;
+        }
+      }
+    };
+    for (auto u : by_first_use_) {
+      auto& unit = units_[u];
+      fetch_windows_through(unit.first_use - 1);  // every unit those windows use is updated
       if (unit.references == 0 && unit.grad_filled && finite) update_on_host(unit);
+    }
+    fetch_windows_through(opening - 1);
   }
   step_in_flight_ = false;
   step_update_hold_.reset();

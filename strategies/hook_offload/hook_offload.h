@@ -3,8 +3,10 @@
 // allocated once; each block's parameters are streamed to the device on a side stream just before
 // use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
 // and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
-// as a block's backward is done; the optimizer runs on the host. A tied parameter is one host copy,
-// loaded once per use window by reference count, and receives the sum of its uses' gradients,
+// as a block's backward is done; the optimizer runs on the host, and (without overlap_optimizer)
+// fetches the windows the next forward opens with (blocks 0 to prefetch) as soon as their own
+// units are updated, so that forward does not start on an idle link. A tied parameter is one host
+// copy, loaded once per use window by reference count, and receives the sum of its uses' gradients,
 // added on the device as each use's backward ends and sent to the host once, after the last. That
 // unit's fp32 gradient stays on the device from its first use's backward to its last's: for the
 // GPT the whole backward, after the head's logits are freed (gpt-871m's peak did not move).
@@ -72,7 +74,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   bool supports(const PrecisionPolicy& policy) const override;
   void reset_stats() override;
 
-  /// Offloaded parameter bytes on the device now (resident blocks not counted).
+  /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
+  /// forward none; after optimizer_step (prefetch > 0, overlap_optimizer=0) windows 0 to prefetch.
   int64_t offloaded_bytes_on_device() const;
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
@@ -151,6 +154,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   HookOffloadOptions options_;
   std::optional<models::BlockModel> model_;
   std::vector<Unit> units_;
+  std::vector<int64_t> by_first_use_;          ///< unit indices in the order the forward first needs them
   std::vector<std::vector<int64_t>> windows_;  ///< block -> units it uses
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
