@@ -125,9 +125,11 @@ class ChunkWorkers {
         slots_ = running_ = helpers;
         ++generation_;
       }
-      // Each wakes one waiting worker, which takes a slot. A worker still on its way back from
-      // the last job finds the slot when it next checks, before it waits.
-      for (size_t h = 0; h < helpers; ++h) wake_.notify_one();
+      // Every waiting worker wakes and checks for a slot; one still on its way back from the last
+      // job checks before it waits. Not one notify_one per slot: a worker that took a slot of this
+      // job, found no chunk left and went back to waiting can swallow a later one, and the slot
+      // it was meant for then stays open, so the job never ends (seen: a hang with 6 workers).
+      if (helpers > 0) wake_.notify_all();
       guarded();
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [&] { return running_ == 0; });
