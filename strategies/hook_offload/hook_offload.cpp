@@ -9,6 +9,7 @@
 
 #include "models/check.h"
 #include "models/compat.h"
+#include "models/threads.h"
 #include "strategies/options.h"
 
 namespace strata {
@@ -64,6 +65,11 @@ struct HookOffload::Unit {
   bool grad_filled = false;     ///< host_grad holds this step's gradient (else it is stale)
   int pending_users = 0;        ///< backward contributions still to come this step
   torch::Tensor device_grad;    ///< a tied unit's gradients of this step's earlier uses, summed on the device
+  /// Rows of a tied matrix used twice (an embedding and a head), 0 for other units: the first use's
+  /// gradient goes to the host as soon as it exists, and of the last use's only the rows that are
+  /// not all zero (an embedding's, the rows its batch looked up), added there (plain mode).
+  int64_t rows = 0;
+  bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   bool stale = false;           ///< held on the device across an optimizer step: its copy is old
   /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
@@ -163,6 +169,9 @@ void HookOffload::attach_model(models::BlockModel model) {
     if (unit.trainable_numel > 0)
       unit.host_grad = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
     unit.device_flat = torch::empty({unit.numel}, dev_options);
+    if (!options_.overlap_optimizer && unit.users == 2 && unit.params.size() == 1 &&
+        unit.trainable_numel == unit.numel && params[unit.params[0]].tensor.dim() >= 2)
+      unit.rows = params[unit.params[0]].tensor.size(0);
     for (auto p : unit.params) {
       auto& t = params[p].tensor;
       const auto offset = param_slot_[p].second;
@@ -335,6 +344,13 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
     auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
     if (flat.scalar_type() != torch::kFloat) flat = flat.to(torch::kFloat);
     if (--unit.pending_users > 0) {
+      if (unit.rows > 0 && !unit.grad_filled) {
+        // The first of a tied matrix's two uses (the head's, in the GPT): sent now, behind the rest
+        // of backward, rather than held for the last use, which then sends only its touched rows.
+        send_gradient(unit, flat);
+        unit.first_use_sent = true;
+        continue;
+      }
       // A tied unit with uses still to come in this backward: its gradients add up on the device
       // (as autograd adds a tied parameter's, in the same order) and travel once, at the last use.
       // One copy instead of one per use, and no sum for the host to run; the cost is the unit's
@@ -343,8 +359,51 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       continue;
     }
     if (unit.device_grad.defined()) flat = std::exchange(unit.device_grad, torch::Tensor()) + flat;
-    send_gradient(unit, flat);
+    if (std::exchange(unit.first_use_sent, false))
+      send_rows(unit, flat);
+    else
+      send_gradient(unit, flat);
   }
+}
+
+void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
+  const int64_t cols = unit.trainable_numel / unit.rows;
+  auto matrix = flat.view({unit.rows, cols});
+  // Waits for the compute that produced it (the last thing backward does here: the embedding's).
+  auto touched = matrix.ne(0).any(1).nonzero().squeeze(1);
+  const int64_t n = touched.size(0);
+  if (2 * n > unit.rows) {
+    send_gradient(unit, flat);  // dense after all: added on the host in full
+    return;
+  }
+  auto values = matrix.index_select(0, touched);
+  d2h_.wait(compute_.record());
+  d2h_.keep_alive(values);
+  d2h_.keep_alive(touched);
+  auto host_values = device::host_buffer({n, cols}, torch::kFloat, config_.device);
+  auto host_touched = device::host_buffer({n}, torch::kLong, config_.device);
+  d2h_.copy(host_values, values);
+  d2h_.copy(host_touched, touched);
+  bytes_d2h_ += values.nbytes() + touched.nbytes();
+  auto landed = d2h_.record();
+  last_copy_ = landed;
+  ++host_sums_pending_;
+  host_.submit([this, landed, host_values, host_touched, grad = unit.host_grad, cols, n] {
+    landed.synchronize();
+    device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
+    float* g = grad.data_ptr<float>();
+    const float* v = host_values.data_ptr<float>();
+    const int64_t* row = host_touched.data_ptr<int64_t>();
+    // Distinct rows: the chunks never write the same element.
+    parallel_chunks(n * cols, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end;) {
+        const int64_t i = e / cols, j = e % cols, stop = std::min(end, (i + 1) * cols);
+        float* dst = g + row[i] * cols + j;
+        for (const float* src = v + e; e < stop; ++e) *dst++ += *src++;
+      }
+    });
+    --host_sums_pending_;
+  });
 }
 
 void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
@@ -511,7 +570,10 @@ double HookOffload::train_step(const models::Batch& batch) {
     finish_pending();
   }
   if (copy_hold_) d2h_.hold(std::move(copy_hold_));
-  for (auto& unit : units_) unit.pending_users = unit.users;
+  for (auto& unit : units_) {
+    unit.pending_users = unit.users;
+    unit.first_use_sent = false;
+  }
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
@@ -520,7 +582,12 @@ double HookOffload::train_step(const models::Batch& batch) {
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
     if (failed) {
-      for (auto& unit : units_) unit.device_grad = torch::Tensor();  // a failed backward's partial sums
+      for (auto& unit : units_) {
+        unit.device_grad = torch::Tensor();  // a failed backward's partial sums
+        // A first use already on the host, its last use never came: that host gradient is this
+        // step's alone (a first use is sent only when the unit held none), so it is dropped.
+        if (std::exchange(unit.first_use_sent, false)) unit.grad_filled = false;
+      }
       try {
         host_.drain();
       } catch (...) {  // the step's own error is the one to report
@@ -547,8 +614,9 @@ double HookOffload::train_step(const models::Batch& batch) {
     // Every block's backward ran (each feeds the next, and the anchor makes every output need a
     // gradient), so every tied unit has sent its sum.
     for (const auto& unit : units_)
-      STRATA_CHECK(!unit.device_grad.defined(), name_ << ": a tied unit's gradient stayed on the device after backward "
-                                                          "(a use without backward; internal error)");
+      STRATA_CHECK(!unit.device_grad.defined() && !unit.first_use_sent,
+                   name_ << ": a tied unit's gradient stayed on the device after backward, or its last use's never came "
+                            "(a use without backward; internal error)");
     clean_up(false);
     wait_for(compute_.record());  // before item(), which would spin
     return loss.item<double>();

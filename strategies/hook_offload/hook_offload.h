@@ -7,9 +7,12 @@
 // fetches the windows the next forward opens with (blocks 0 to prefetch) as soon as their own
 // units are updated, so that forward does not start on an idle link. A tied parameter is one host
 // copy, loaded once per use window by reference count, and receives the sum of its uses' gradients,
-// added on the device as each use's backward ends and sent to the host once, after the last. That
-// unit's fp32 gradient stays on the device from its first use's backward to its last's: for the
-// GPT the whole backward, after the head's logits are freed (gpt-871m's peak did not move).
+// added on the device as each use's backward ends and sent to the host once, after the last; that
+// fp32 sum stays on the device from the first use's backward to the last's. A matrix used twice
+// (the GPT's embedding and head; plain mode) is summed on the host instead: the first use's
+// gradient goes down as soon as it exists, hidden behind the rest of backward, and of the last
+// use's only the rows that are not all zero (the tokens the batch looked up) follow, added there.
+// What backward's end waits for is then those rows, not the whole matrix.
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
@@ -124,6 +127,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Sends a unit's gradient of this step (all its uses summed) to its host buffer, or to be added
   /// there (another micro-batch's); in overlap mode the unit's update is queued behind it.
   void send_gradient(Unit& unit, const torch::Tensor& flat);
+  /// The last use of a tied matrix whose first use was sent already: its rows that are not all
+  /// zero, with their indices, added on the host (or all of it when more than half are touched).
+  void send_rows(Unit& unit, const torch::Tensor& flat);
   /// Runs one queued update: of those whose gradients have landed, the unit the next forward
   /// needs first; if none has landed yet, the one queued first.
   void run_next_update();
