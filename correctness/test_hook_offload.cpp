@@ -206,7 +206,9 @@ TEST(HookOffload, a_resident_block_is_refreshed_in_the_optimizer_step) {
 }
 
 TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
-  auto s = make_offload({{"resident", "1"}});
+  // prefetch=0: optimizer_step then fetches no window for the next forward, so after the step too
+  // only the resident block is on the device.
+  auto s = make_offload({{"resident", "1"}, {"prefetch", "0"}});
   const auto config = gpt(3, 16);
   auto model = models::build_model(config, 0);
   const int64_t resident = window_bytes(model, 1);
@@ -215,6 +217,8 @@ TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
   EXPECT_EQ(s->offloaded_bytes_on_device(), 0);
   EXPECT_EQ(s->stats().devices.at(test::device().str()).resident_param_bytes, resident);
   s->optimizer_step();
+  EXPECT_EQ(s->offloaded_bytes_on_device(), 0);
+  EXPECT_EQ(s->stats().devices.at(test::device().str()).resident_param_bytes, resident);
 }
 
 TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
@@ -236,6 +240,7 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
         if (b != n - 1) backward += window_bytes(model, b);
       }
       for (const auto& p : model.parameters()) grads += p.tensor.numel() * 4;  // each once, tied ones too
+      const int64_t once = grads;
       std::map<int64_t, int> uses;
       for (const auto& block : model.block_parameters())
         for (auto p : block) ++uses[p];
@@ -260,6 +265,12 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       const std::string where = "vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch);
       EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs) << where;
       EXPECT_EQ(stats.bytes_d2h, grads) << where;
+      s->optimizer_step();
+      // After a dense last use the tied matrix is summed on the device and sent once; after a
+      // sparse one it keeps sending rows.
+      s->reset_stats();
+      s->train_step(batch);
+      EXPECT_EQ(s->stats().bytes_d2h, vocab == 8 ? once : grads) << where << ", second step";
       s->optimizer_step();
     }
   }
@@ -409,9 +420,10 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 // for certain (a delay alone was outrun by a GPU shared with a dozen other processes); once the
 // gate opens each copy still takes 100 ms, so a finish_backward that does not wait is seen. A
 // first step runs ungated: its one-time set-up (pinned host memory, library handles) may wait for
-// the whole device, and so for a held copy. mlp-tiny is untied; the tied presets send their tied
-// weight's summed gradient once, after its last use. Accumulating (no optimizer_step between the
-// two steps), the second step's gradients land in staging buffers and are added on the host.
+// the whole device, and so for a held copy. mlp-tiny is untied; in the tied presets the tied
+// matrix's first use goes down at once and its last use's touched rows (or all of it) follow, added
+// on the host. Accumulating (no optimizer_step between the two steps), the second step's gradients
+// land in staging buffers and are added on the host.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
   device::ScopedDelays delays({100ms, 0ms});
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {

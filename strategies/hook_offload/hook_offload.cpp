@@ -359,10 +359,12 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       continue;
     }
     if (unit.device_grad.defined()) flat = std::exchange(unit.device_grad, torch::Tensor()) + flat;
-    if (std::exchange(unit.first_use_sent, false))
+    if (unit.first_use_sent) {
       send_rows(unit, flat);
-    else
+      unit.first_use_sent = false;  // after: a send that throws leaves the failed step's reset to drop it
+    } else {
       send_gradient(unit, flat);
+    }
   }
 }
 
@@ -373,7 +375,10 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   auto touched = matrix.ne(0).any(1).nonzero().squeeze(1);
   const int64_t n = touched.size(0);
   if (2 * n > unit.rows) {
-    send_gradient(unit, flat);  // dense after all: added on the host in full
+    // Dense after all (a matrix both of whose uses are dense, say): added on the host in full, and
+    // from the next step on summed on the device and sent once, which costs less.
+    send_gradient(unit, flat);
+    unit.rows = 0;
     return;
   }
   auto values = matrix.index_select(0, touched);
@@ -533,7 +538,8 @@ void HookOffload::rethrow_failed_update() {
 void HookOffload::finish_backward() {
   d2h_.synchronize();
   // Without the overlapped optimizer the host queue holds only backward's work (a later
-  // micro-batch's gradient added on the host); with it, the optimizer updates run there too.
+  // micro-batch's gradient, or a tied matrix's touched rows, added on the host); with it, the
+  // optimizer updates run there too.
   if (!options_.overlap_optimizer) host_.drain();
 }
 
@@ -667,16 +673,19 @@ void HookOffload::optimizer_step() {
     scaler_.update(finite);
     // Units on the device for good (resident blocks) first, each refreshed as soon as its update
     // has run: the copy then overlaps the rest of this host pass rather than opening the next
-    // forward. (After train_step only resident windows hold references.)
+    // forward. (After train_step only resident windows hold references: the windows the last
+    // optimizer_step fetched were released by the forward that used them.)
     for (auto& unit : units_)
       if (unit.references > 0 && unit.grad_filled && finite) {
         update_on_host(unit);
+        unit.grad_filled = false;  // each as soon as applied: a step that fails midway applies none twice
         unit.stale = true;
         refresh_if_stale(unit);
       }
     // The others in the order the next forward needs them. The windows that forward opens with
     // (0 to prefetch) are fetched as soon as their units are updated, so their copies run beside
     // the rest of this pass, while the link is otherwise idle, and not at the forward's start.
+    // (Queuing them, allocation included, counts in host_update_ms.)
     const auto opening = options_.prefetch > 0
                              ? std::min<int64_t>(options_.prefetch + 1, static_cast<int64_t>(windows_.size()))
                              : 0;
@@ -685,7 +694,7 @@ void HookOffload::optimizer_step() {
       for (; next_window < opening && next_window <= last; ++next_window) {
         try {
           hold_window(next_window);
-        } catch (const c10::OutOfMemoryError&) {
+        } catch (const c10::OutOfMemoryError&) {  // hold_window takes all of a window or none
           // The updates are applied; the forward fetches these windows itself and reports the error
           // if it persists.
           next_window = opening;
@@ -695,7 +704,10 @@ void HookOffload::optimizer_step() {
     for (auto u : by_first_use_) {
       auto& unit = units_[u];
       fetch_windows_through(unit.first_use - 1);  // every unit those windows use is updated
-      if (unit.references == 0 && unit.grad_filled && finite) update_on_host(unit);
+      if (unit.references == 0 && unit.grad_filled && finite) {
+        update_on_host(unit);
+        unit.grad_filled = false;
+      }
     }
     fetch_windows_through(opening - 1);
   }

@@ -12,7 +12,9 @@
 // (the GPT's embedding and head; plain mode) is summed on the host instead: the first use's
 // gradient goes down as soon as it exists, hidden behind the rest of backward, and of the last
 // use's only the rows that are not all zero (the tokens the batch looked up) follow, added there.
-// What backward's end waits for is then those rows, not the whole matrix.
+// What backward's end waits for is then those rows, not the whole matrix. (Only in a step's first
+// micro-batch, so accumulated ones still add up in autograd's order; and a unit whose last use
+// touched more than half its rows goes back to the device sum for good.)
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
