@@ -32,7 +32,8 @@ CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"
 
 
 def load(path):
-    """GPU activities of a trace as (name, category, start us, duration us, bytes)."""
+    """GPU activities of a trace as (name, category, start us, duration us, bytes or None where the
+    trace gives no byte count)."""
     with open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -40,7 +41,8 @@ def load(path):
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in CATEGORIES:
             continue
-        nbytes = int(e.get("args", {}).get("bytes", 0))
+        nbytes = e.get("args", {}).get("bytes")
+        nbytes = None if nbytes is None else int(nbytes)
         out.append((e.get("name", "?"), e["cat"].lower(), float(e.get("ts", 0)), float(e.get("dur", 0)), nbytes))
     if not out:
         sys.exit(f"kernel_table.py: {path} holds no GPU activity (was it recorded on a GPU, with CUDA activities?)")
@@ -61,11 +63,15 @@ def classify(name, category):
 def summarize(events):
     by_class = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
-    copied = collections.defaultdict(lambda: [0, 0.0])  # direction -> bytes, us
+    copied = collections.defaultdict(lambda: [0, 0.0, 0])  # direction -> bytes, us, copies without a count
     for name, cat, _, dur, nbytes in events:
         if "memcpy" in cat:
-            copied[direction(name)][0] += nbytes
-            copied[direction(name)][1] += dur
+            c = copied[direction(name)]
+            if nbytes is None:
+                c[2] += 1
+            else:
+                c[0] += nbytes
+                c[1] += dur
         c = by_class[classify(name, cat)]
         c[0] += dur / 1e3
         c[1] += 1
@@ -91,7 +97,7 @@ def compute_gaps(events, count):
     during each, as "HtoD 201 MB": where a strategy's compute waited, e.g. for a block's parameters
     to arrive or its gradients to leave. Returns them longest first, and their total in us."""
     kernels = sorted((t, t + d, name) for name, cat, t, d, _ in events if "kernel" in cat)
-    copies = [(t, t + d, f"{direction(name)} {nbytes / 1e6:.0f} MB")
+    copies = [(t, t + d, f"{direction(name)} " + ("?" if nbytes is None else f"{nbytes / 1e6:.0f}") + " MB")
               for name, cat, t, d, nbytes in events if "memcpy" in cat]
     first = min(e[2] for e in events)
     last_end = max(e[2] + e[3] for e in events)
@@ -122,8 +128,11 @@ def tables(paths, labels, top, gap_count=5):
     for way in sorted({w for s in sums for w in s["copied"]}):
         cells = []
         for s in sums:
-            nbytes, us = s["copied"].get(way, (0, 0.0))
-            cells.append(f"{nbytes / 1e9:.3f} GB" + (f" at {nbytes / us / 1e3:.1f} GB/s" if us > 0 else ""))
+            # The rate over the copies' summed durations: copies that overlapped each other show a
+            # lower rate than the link gave them.
+            nbytes, us, unknown = s["copied"].get(way, (0, 0.0, 0))
+            cell = f"{nbytes / 1e9:.3f} GB" + (f" at {nbytes / us / 1e3:.1f} GB/s" if us > 0 else "")
+            cells.append(cell + (f" (+{unknown} without a byte count)" if unknown else ""))
         lines.append(f"| copied {way} | " + " | ".join(cells) + " |")
     lines.append("")
     classes = sorted({c for s in sums for c in s["by_class"]}, key=lambda c: -max(s["by_class"][c][0] for s in sums))
