@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <iostream>
 
 #include "bench/common.h"
 #include "models/check.h"
@@ -228,11 +227,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace strata
 
-int main(int argc, char** argv) {
-  try {
-    return strata::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "strata_ab: " << strata::bench::for_the_user(e.what()) << std::endl;
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return strata::bench::tool_main("strata_ab", strata::run, argc, argv); }

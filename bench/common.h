@@ -181,6 +181,17 @@ inline std::string for_the_user(const std::string& what) {
   return std::regex_replace(what, location, "");
 }
 
+/// A tool's main(): `run`'s status, or, for anything it throws (a rejected argument), the message
+/// on stderr as "NAME: message" and status 2.
+inline int tool_main(const char* name, int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", name, for_the_user(e.what()).c_str());
+    return 2;
+  }
+}
+
 /// The exit statuses both tools share, for their --help.
 inline constexpr const char* kExitStatuses =
     "exit status: 0 every cell ran (a cell out of memory is a result and counts as run); 1 a cell failed\n"

@@ -20,7 +20,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <iostream>
 #include <sstream>
 
 #include "bench/common.h"
@@ -270,11 +269,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace strata
 
-int main(int argc, char** argv) {
-  try {
-    return strata::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "strata_compare: " << strata::bench::for_the_user(e.what()) << std::endl;
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return strata::bench::tool_main("strata_compare", strata::run, argc, argv); }

@@ -27,7 +27,6 @@
 #include <thread>
 #include <cstdio>
 #include <numeric>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <set>
@@ -543,11 +542,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace strata::bench
 
-int main(int argc, char** argv) {
-  try {
-    return strata::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "strata_bench: " << strata::bench::for_the_user(e.what()) << std::endl;
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return strata::bench::tool_main("strata_bench", strata::bench::run, argc, argv); }
