@@ -35,7 +35,11 @@
 namespace strata {
 
 struct HookOffloadOptions {
-  int64_t prefetch = 1;                ///< blocks fetched ahead; 0 fetches each block when it is needed
+  /// Blocks fetched ahead; 0 fetches each block when it is needed. Two by default: where a block's
+  /// window takes longer to cross the link than the block to compute (gpt-871m on an H200: 4.1 ms
+  /// against 3.65), one ahead leaves the link idle between windows; two cost one more window of
+  /// device memory during the forward (bench/NOTES.md, "prefetch 2 by default").
+  int64_t prefetch = 2;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
