@@ -11,7 +11,10 @@
 # Needs a CUDA LibTorch and the test libraries (GoogleTest, rapidcheck, Google Benchmark) on
 # CMAKE_PREFIX_PATH; the LibTorch inside python3's torch is added when present.
 # Environment: STRATA_GPU_PHASES (default suite,bench: the test suite, then benchmarks, peers, report
-# and gate; either alone for a run split over two sessions of one build),
+# and gate; either alone for a run split over two sessions of one build; `matrix` alone runs only
+# the fp32 matrix and its peers into OUTDIR, and a later `bench` into the same OUTDIR takes them
+# from there, unless the benchmarks were rebuilt since, and runs the rest, so the benchmarks too can
+# be split over two sessions),
 # STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
@@ -69,9 +72,17 @@ grep -q "not every test\|should skip" "$outdir/labels.txt" && status=1
 PYTHONUNBUFFERED=1 python3 bench/peers.py --self-test --offload-py="${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}" 2>&1 \
   | tee "$outdir/peers-self-test.txt" || { echo "ci/gpu.sh: the peers' parity self-test failed"; status=1; }
 fi
-[[ ",$phases," == *,bench,* ]] || exit $status
+[[ ",$phases," == *,bench,* || ",$phases," == *,matrix,* ]] || exit $status
 
 reps=${STRATA_BENCH_REPS:-5}
+offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
+# fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase leaves them,
+# with the command that made them, for a later `bench` phase of the same build.
+# (Only while the benchmark binary is older than them: a rebuild measures again.)
+if [[ ",$phases," != *,matrix,* && "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ]]; then
+  echo "ci/gpu.sh: the fp32 matrix and peers from an earlier matrix phase ($outdir/matrix.done)"
+  bench_command=$(cat "$outdir/matrix.done")
+else
 echo "ci/gpu.sh: benchmark matrix"
 ./build/cuda/bench/strata_bench --device=cuda:0 --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} \
   --benchmark_out="$outdir/bench.json" --benchmark_out_format=json > "$outdir/bench.txt" 2>&1 || status=1
@@ -122,6 +133,27 @@ for extra in sys.argv[2:]:
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
 fi
+echo "ci/gpu.sh: PyTorch peers"
+# A peer that fails (other than out of memory) or fails its parity check fails the job.
+PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --offload-py="$offload_py" \
+  --steps=3 --out="$outdir/peers.json" 2>&1 | tee "$outdir/peers.txt" || { echo "ci/gpu.sh: a peer failed"; status=1; }
+if [ "$gpu_count" -gt 1 ]; then
+  # PyTorch's data-parallel peers (DDP, FSDP2, FSDP2 + CPUOffloadPolicy) over the same GPUs.
+  NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node="$gpu_count" bench/peers.py \
+    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --out="$outdir/peers-x$gpu_count.json" 2>&1 \
+    | tee "$outdir/peers-x$gpu_count.txt" || { echo "ci/gpu.sh: a data-parallel peer failed"; status=1; }
+  python3 - "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" <<'PY' || status=1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
+fi
+if [[ ",$phases," == *,matrix,* ]]; then
+  [ "$status" -eq 0 ] && echo "$bench_command" > "$outdir/matrix.done"
+  [[ ",$phases," == *,bench,* ]] || exit $status
+fi
+fi
 # bf16 compute over fp32 masters, for every strategy that trains in it
 # (Precision.the_strategies_that_train_in_bf16_are_these lists them), on the same presets; the
 # cells are named [precision=bf16] and gated beside the fp32 ones.
@@ -144,23 +176,6 @@ PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEE
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
   --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16" || status=1
 
-offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
-echo "ci/gpu.sh: PyTorch peers"
-# A peer that fails (other than out of memory) or fails its parity check fails the job.
-PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --offload-py="$offload_py" \
-  --steps=3 --out="$outdir/peers.json" 2>&1 | tee "$outdir/peers.txt" || { echo "ci/gpu.sh: a peer failed"; status=1; }
-if [ "$gpu_count" -gt 1 ]; then
-  # PyTorch's data-parallel peers (DDP, FSDP2, FSDP2 + CPUOffloadPolicy) over the same GPUs.
-  NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node="$gpu_count" bench/peers.py \
-    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --out="$outdir/peers-x$gpu_count.json" 2>&1 \
-    | tee "$outdir/peers-x$gpu_count.txt" || { echo "ci/gpu.sh: a data-parallel peer failed"; status=1; }
-  python3 - "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" <<'PY' || status=1
-import json, sys
-doc = json.load(open(sys.argv[1]))
-doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
-json.dump(doc, open(sys.argv[1], "w"), indent=1)
-PY
-fi
 
 # The gate: against the committed baseline for this machine. A machine without one fails the job
 # unless STRATA_ALLOW_NO_BASELINE=1, and then the report says the run was not gated.
