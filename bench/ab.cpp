@@ -12,6 +12,11 @@
 // interval that assumes nothing of their distribution (sign-test order statistics; it needs 6
 // pairs or more). Exit status: 0 when both arms passed parity and ran; 1 when one failed parity or
 // errored; 2 for bad arguments.
+//
+// Every step ends with Strategy::finish_step, since the next step belongs to the other arm: a
+// strategy that leaves work for its next step (hook_offload_overlap's deferred updates) is timed
+// here with that work inside its own step, so its "step" is not its steady-state step (strata_bench
+// times that); its host update time compares as usual.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
