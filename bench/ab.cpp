@@ -5,7 +5,7 @@
 // attached (each holds its own model and state), and the order alternates (A B, B A, A B, ...).
 //
 //   strata_ab --a=STRATEGY[:k=v;k=v] --b=STRATEGY[:k=v;k=v] [--model=PRESET] [--device=cpu|cuda:N]
-//             [--steps=N] [--batch=N] [--precision=P] [--optimizer=sgd|adamw] [--no-tf32]
+//             [--steps=N] [--run=K] [--batch=N] [--precision=P] [--optimizer=sgd|adamw] [--no-tf32]
 //
 // Prints each arm's medians (forward+backward, optimizer step, whole step, host update time where
 // the strategy reports it) and, for each, the median of the paired differences B - A with a 95%
@@ -13,10 +13,11 @@
 // pairs or more). Exit status: 0 when both arms passed parity and ran; 1 when one failed parity or
 // errored; 2 for bad arguments.
 //
-// Every step ends with Strategy::finish_step, since the next step belongs to the other arm: a
-// strategy that leaves work for its next step (hook_offload_overlap's deferred updates) is timed
-// here with that work inside its own step, so its "step" is not its steady-state step (strata_bench
-// times that); its host update time compares as usual.
+// A turn ends with Strategy::finish_step, since the next turn belongs to the other arm: a strategy
+// that leaves work for its next step (hook_offload_overlap's deferred updates) is timed with that
+// work inside its turn. With one step a turn (the default) its "step" is then not its steady-state
+// step; --run=K gives each turn K steps in a row, as strata_bench's repetitions do, each turn
+// counting as one pair member with its per-step means, and the tail's share falls to 1/K.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,6 +43,7 @@ struct Args {
   std::string model;
   std::string device = device::cuda_available() ? "cuda:0" : "cpu";
   int steps = 20;
+  int run = 1;  ///< steps of one arm in a row, per turn
   int64_t batch = 0;
   std::string optimizer = "adamw";
   PrecisionPolicy precision;
@@ -50,11 +52,14 @@ struct Args {
 
 constexpr const char* kUsage =
     "usage: strata_ab --a=STRATEGY[:k=v;k=v] --b=STRATEGY[:k=v;k=v] [--model=PRESET] [--device=cpu|cuda:N]\n"
-    "                 [--steps=N] [--batch=N] [--precision=P] [--optimizer=sgd|adamw] [--no-tf32] | --help\n"
+    "                 [--steps=N] [--run=K] [--batch=N] [--precision=P] [--optimizer=sgd|adamw] [--no-tf32] | --help\n"
     "Times two configurations step by step in turn in one process (A B, B A, ...) and prints each one's\n"
     "medians and the median of the paired differences B - A with a 95% interval.\n"
     "  --a, --b      a registered strategy, with its options after ':' (';'-separated)\n"
     "  --steps       timed pairs, after two warm-up steps of each (default 20; an interval needs 6)\n"
+    "  --run         steps of one arm in a row per turn, timed as one (default 1); for a strategy that\n"
+    "                defers work into its next step, K > 1 times its steady state (each turn's last\n"
+    "                step waits for its own deferred work)\n"
     "  --model       a preset (default gpt-cpu on the CPU, gpt-medium on a GPU)\n"
     "  --precision   as strata_bench's: fp32, bf16, fp16, with overrides (bf16,transfer=fp32)\n";
 
@@ -94,6 +99,7 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("model")) a.model = v;
     else if (const char* v = value("device")) a.device = v;
     else if (const char* v = value("steps")) a.steps = static_cast<int>(bench::int_arg("steps", v));
+    else if (const char* v = value("run")) a.run = static_cast<int>(bench::int_arg("run", v));
     else if (const char* v = value("batch")) a.batch = bench::int_arg("batch", v);
     else if (const char* v = value("optimizer")) a.optimizer = v;
     else if (const char* v = value("precision")) a.precision = PrecisionPolicy::parse(v);
@@ -102,6 +108,7 @@ Args parse_args(int argc, char** argv) {
   }
   STRATA_CHECK(have_a && have_b, "both --a=STRATEGY and --b=STRATEGY are needed (strata_ab --help)");
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
+  STRATA_CHECK(a.run >= 1, "--run=" << a.run << " must be at least 1");
   return a;
 }
 
@@ -146,9 +153,11 @@ int run(int argc, char** argv) {
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
   config.precision = args.precision;
-  std::printf("strata A/B: model %s (%s), batch %ld, %d pairs in alternating order, %s, precision %s, device %s\n",
+  std::printf("strata A/B: model %s (%s), batch %ld, %d pairs in alternating order, %d step%s a turn, %s, precision %s, "
+              "device %s\n",
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
-              config.optimizer.to_string().c_str(), args.precision.to_string().c_str(), dev.str().c_str());
+              args.run, args.run == 1 ? "" : "s", config.optimizer.to_string().c_str(), args.precision.to_string().c_str(),
+              dev.str().c_str());
 
   const Arm* arms[2] = {&args.a, &args.b};
   std::unique_ptr<Strategy> strategies[2];
@@ -178,21 +187,24 @@ int run(int argc, char** argv) {
         const int i = (pair + turn) % 2;  // A B, then B A: neither always runs first
         auto& s = *strategies[i];
         s.reset_stats();
-        const auto start = now();
-        s.train_step(batch);
-        s.finish_backward();
-        device::synchronize_all();
-        const double fb = ms_since(start);
-        const auto mid = now();
-        s.optimizer_step();
-        s.finish_step();
-        device::synchronize_all();
-        const double opt = ms_since(mid);
+        double fb = 0, opt = 0;  // summed over the turn's steps
+        for (int k = 0; k < args.run; ++k) {
+          const auto start = now();
+          s.train_step(batch);
+          s.finish_backward();
+          device::synchronize_all();
+          fb += ms_since(start);
+          const auto mid = now();
+          s.optimizer_step();
+          if (k + 1 == args.run) s.finish_step();  // the turn's last step: nothing left for the other arm
+          device::synchronize_all();
+          opt += ms_since(mid);
+        }
         const auto stats = s.stats();
-        times[i].fwd_bwd.push_back(fb);
-        times[i].optim.push_back(opt);
-        times[i].step.push_back(fb + opt);
-        times[i].host.push_back(stats.host_update_ms);
+        times[i].fwd_bwd.push_back(fb / args.run);
+        times[i].optim.push_back(opt / args.run);
+        times[i].step.push_back((fb + opt) / args.run);
+        times[i].host.push_back(stats.host_update_ms / args.run);
         reports_host[i] = reports_host[i] || stats.host_update_ms > 0;
       }
       if ((pair + 1) % 10 == 0 && pair + 1 < args.steps) {
