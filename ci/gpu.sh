@@ -19,7 +19,8 @@
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
 # (a machine without a committed baseline passes, and its report says so), STRATA_PEERS_MODEL (default
-# gpt-871m), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
+# gpt-871m), STRATA_MORE_PEER_MODELS (presets whose plain and checkpointed PyTorch peers also run,
+# default gpt-medium; empty for none), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
@@ -51,6 +52,16 @@ echo "ci/gpu.sh: configure + build took $(( $(date +%s) - t0 )) s"
 
 status=0
 phases=${STRATA_GPU_PHASES:-suite,bench}
+# merge_into TARGET EXTRA...: the EXTRA files' benchmarks appended to TARGET's.
+merge_into() {
+  python3 - "$@" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for extra in sys.argv[2:]:
+    doc["benchmarks"] += json.load(open(extra))["benchmarks"]
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
+}
 if [[ ",$phases," == *,suite,* ]]; then
 ctest --preset cuda -j 8 > "$outdir/ctest.log" 2>&1 || status=$?
 grep -E "tests passed|Failed|Skipped" "$outdir/ctest.log" | tail -n 12
@@ -125,13 +136,7 @@ if [ "$gpu_count" -gt 1 ]; then
     bench_command+="; launch.py --nproc=$gpu_count -- strata_bench --device=cuda:0 --benchmark_repetitions=$reps --models=gpt-871m ${cell#*|}"
   done
   # One file for the gate: the matrix and the two-GPU cells.
-  python3 - "$outdir/bench.json" "${cell_files[@]}" <<'PY'
-import json, sys
-doc = json.load(open(sys.argv[1]))
-for extra in sys.argv[2:]:
-    doc["benchmarks"] += json.load(open(extra))["benchmarks"]
-json.dump(doc, open(sys.argv[1], "w"), indent=1)
-PY
+  merge_into "$outdir/bench.json" "${cell_files[@]}"
 fi
 echo "ci/gpu.sh: PyTorch peers"
 # A peer that fails (other than out of memory) or fails its parity check fails the job.
@@ -142,13 +147,15 @@ if [ "$gpu_count" -gt 1 ]; then
   NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node="$gpu_count" bench/peers.py \
     --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 --out="$outdir/peers-x$gpu_count.json" 2>&1 \
     | tee "$outdir/peers-x$gpu_count.txt" || { echo "ci/gpu.sh: a data-parallel peer failed"; status=1; }
-  python3 - "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" <<'PY' || status=1
-import json, sys
-doc = json.load(open(sys.argv[1]))
-doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
-json.dump(doc, open(sys.argv[1], "w"), indent=1)
-PY
+  merge_into "$outdir/peers.json" "$outdir/peers-x$gpu_count.json" || status=1
 fi
+# The matrix's other GPT beside PyTorch's plain and checkpointed steps, so its report table has
+# their columns too.
+for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --model="$model" --steps=5 --peers=torch_baseline,torch_checkpoint \
+    --out="$outdir/peers-$model.json" 2>&1 | tee "$outdir/peers-$model.txt" || { echo "ci/gpu.sh: a $model peer failed"; status=1; }
+  merge_into "$outdir/peers.json" "$outdir/peers-$model.json" || status=1
+done
 if [[ ",$phases," == *,matrix,* ]]; then
   [ "$status" -eq 0 ] && echo "$bench_command" > "$outdir/matrix.done"
   [[ ",$phases," == *,bench,* ]] || exit $status
@@ -165,14 +172,14 @@ tail -n 3 "$outdir/bench-bf16.txt"
 bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-}"
 # What the gate reads: the fp32 cells and the bf16 ones (the reports keep them apart, each beside
 # its own peers).
-python3 - "$outdir/bench.json" "$outdir/bench-bf16.json" "$outdir/bench-gated.json" <<'PY' || status=1
-import json, sys
-doc = json.load(open(sys.argv[1]))
-doc["benchmarks"] += json.load(open(sys.argv[2]))["benchmarks"]
-json.dump(doc, open(sys.argv[3], "w"), indent=1)
-PY
+{ cp "$outdir/bench.json" "$outdir/bench-gated.json" && merge_into "$outdir/bench-gated.json" "$outdir/bench-bf16.json"; } || status=1
 PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
   --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
+for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="$model" --steps=5 --peers=torch_baseline,torch_checkpoint \
+    --out="$outdir/peers-bf16-$model.json" 2>&1 | tee "$outdir/peers-bf16-$model.txt" || { echo "ci/gpu.sh: a bf16 $model peer failed"; status=1; }
+  merge_into "$outdir/peers-bf16.json" "$outdir/peers-bf16-$model.json" || status=1
+done
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
   --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16" || status=1
 
