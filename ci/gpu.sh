@@ -87,12 +87,18 @@ fi
 
 reps=${STRATA_BENCH_REPS:-5}
 offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
+more_peers="" more_peers_bf16=""  # the report headers' commands for STRATA_MORE_PEER_MODELS
+for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
+  more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
+  more_peers_bf16+="; bench/peers.py --precision=bf16 --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
+done
 # fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase leaves them,
 # with the command that made them, for a later `bench` phase of the same build.
 # (Only while the benchmark binary is older than them: a rebuild measures again.)
 if [[ ",$phases," != *,matrix,* && "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ]]; then
   echo "ci/gpu.sh: the fp32 matrix and peers from an earlier matrix phase ($outdir/matrix.done)"
   bench_command=$(cat "$outdir/matrix.done")
+  rm -f "$outdir/matrix.done"  # used once: a later run into OUTDIR measures afresh
 else
 echo "ci/gpu.sh: benchmark matrix"
 ./build/cuda/bench/strata_bench --device=cuda:0 --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} \
@@ -181,7 +187,7 @@ for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   merge_into "$outdir/peers-bf16.json" "$outdir/peers-bf16-$model.json" || status=1
 done
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
-  --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16" || status=1
+  --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
 
 
 # The gate: against the committed baseline for this machine. A machine without one fails the job
@@ -199,7 +205,7 @@ else
 fi
 python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
   --machine "$gpu_name" --note "$note" \
-  --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3" || status=1
+  --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 
 # The gate on this very run: it passes against itself and fails on each doctored copy — a
 # baseline claiming 20% more throughput for one cell, or 20% less memory on one device of one

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# ci/gpu.sh's benchmark phases on a machine without a GPU: nvidia-smi, cmake, ctest, the benchmark
+# binary and bench/peers.py are stand-ins that print a made-up GPU and copy the committed H200 runs
+# (reports/h200, reports/h200-bf16) where the real ones would write theirs. Checks the control flow
+# the GPU runner depends on and no CPU test otherwise reaches: a `matrix` phase leaves the fp32
+# matrix and its peers; a `bench` phase into the same folder uses them once and runs only the rest;
+# a rebuilt binary, or a second run, measures the matrix again; the reports, the merged files and
+# the gate's self-test come out. Needs python3 with matplotlib (ci/compare.sh's choice).
+#
+#   ci/test_gpu_job.sh [PYTHON]
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${1:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "test_gpu_job: FAILED: $*"; exit 1; }
+
+# A copy of the scripts the job runs, with a stand-in build folder.
+mkdir -p "$work/repo/ci" "$work/repo/bench" "$work/repo/reports" "$work/repo/build/cuda/bench" "$work/bin"
+cp "$root/ci/gpu.sh" "$root/ci/gate.py" "$work/repo/ci/"
+cp "$root/reports/make_report.py" "$work/repo/reports/"
+cp -r "$root/reports/h200" "$root/reports/h200-bf16" "$work/"
+cat > "$work/bin/nvidia-smi" <<'EOF'
+#!/bin/sh
+echo "Stub GPU"
+EOF
+printf '#!/bin/sh\nexit 0\n' > "$work/bin/cmake"
+cp "$work/bin/cmake" "$work/bin/ctest"
+cat > "$work/bin/python3" <<EOF
+#!/bin/sh
+# bench/peers.py copies the committed peers of its precision (gpt-medium: the 871M model's, renamed).
+if [ "\$1" = bench/peers.py ]; then
+  out=""; prec=fp32; model=gpt-871m
+  for a in "\$@"; do
+    case \$a in --out=*) out=\${a#--out=};; --precision=*) prec=\${a#--precision=};; --model=*) model=\${a#--model=};;
+      --self-test) exit 0;; esac
+  done
+  echo "peers \$prec \$model" >> "$work/calls"
+  src=$work/h200/peers.json; [ \$prec = bf16 ] && src=$work/h200-bf16/peers.json
+  sed "s#/gpt-871m#/\$model#g" "\$src" > "\$out"
+  exit 0
+fi
+exec $python "\$@"
+EOF
+cat > "$work/repo/build/cuda/bench/strata_bench" <<EOF
+#!/bin/sh
+out=""; prec=fp32
+for a in "\$@"; do case \$a in --benchmark_out=*) out=\${a#--benchmark_out=};; --precision=*) prec=\${a#--precision=};; esac; done
+echo "strata_bench \$prec" >> "$work/calls"
+src=$work/h200/bench.json; [ \$prec = bf16 ] && src=$work/h200-bf16/bench.json
+cp "\$src" "\$out"
+EOF
+chmod +x "$work"/bin/* "$work/repo/build/cuda/bench/strata_bench"
+touch -d '1 hour ago' "$work/repo/build/cuda/bench/strata_bench"
+export PATH="$work/bin:$PATH" STRATA_ALLOW_NO_BASELINE=1
+out=$work/out
+job() { : > "$work/calls"; STRATA_GPU_PHASES=$1 bash "$work/repo/ci/gpu.sh" "$out" > "$work/log" 2>&1; }
+
+job matrix || { cat "$work/log"; fail "the matrix phase exited non-zero"; }
+[ -f "$out/matrix.done" ] || fail "the matrix phase left no matrix.done"
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench fp32\npeers fp32 gpt-871m\npeers fp32 gpt-medium')" ] \
+  || fail "the matrix phase ran: $(tr '\n' ',' < "$work/calls")"
+[ ! -e "$out/bench-bf16.json" ] || fail "the matrix phase ran the bf16 cells"
+
+job bench || { cat "$work/log"; fail "the bench phase exited non-zero"; }
+grep -q "from an earlier matrix phase" "$work/log" || fail "the bench phase did not say it reused the matrix"
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench bf16\npeers bf16 gpt-871m\npeers bf16 gpt-medium')" ] \
+  || fail "the bench phase after a matrix phase ran: $(tr '\n' ',' < "$work/calls")"
+[ ! -e "$out/matrix.done" ] || fail "matrix.done was left for a second use"
+for f in report/report.md report-bf16/report.md gate.txt; do [ -s "$out/$f" ] || fail "no $f"; done
+# Each GPT's table has its checkpointed peer (gpt-medium's from STRATA_MORE_PEER_MODELS).
+[ "$(grep -c "^| torch_checkpoint (peer) |" "$out/report/report.md")" = 2 ] || fail "the fp32 report lacks a GPT's peers"
+[ "$(grep -cF "| torch_checkpoint[precision=bf16] (peer) |" "$out/report-bf16/report.md")" = 2 ] \
+  || fail "the bf16 report lacks a GPT's peers"
+[ "$(grep -c "fails, as it must" "$work/log")" = 4 ] || fail "the gate's self-test did not fail its four doctored copies"
+$python - "$out" <<'PY' || fail "the merged files are wrong"
+import json, sys
+out = sys.argv[1]
+gated = [b["name"] for b in json.load(open(f"{out}/bench-gated.json"))["benchmarks"]]
+assert any("precision=bf16" in n for n in gated) and any("precision" not in n for n in gated), "bench-gated.json"
+for f in ("peers.json", "peers-bf16.json"):
+    names = [b["name"] for b in json.load(open(f"{out}/{f}"))["benchmarks"]]
+    assert any(n.endswith("/gpt-medium") for n in names) and any(n.endswith("/gpt-871m") for n in names), f
+PY
+
+job bench || fail "a second bench phase exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "a second bench phase reused the matrix again"
+job matrix || fail "the matrix phase exited non-zero"
+touch "$work/repo/build/cuda/bench/strata_bench"
+job bench || fail "the bench phase after a rebuild exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a matrix older than the binary"
+echo "test_gpu_job: ok (matrix, bench reusing it once, a rebuild measuring again)"
