@@ -12,9 +12,9 @@
 # CMAKE_PREFIX_PATH; the LibTorch inside python3's torch is added when present.
 # Environment: STRATA_GPU_PHASES (default suite,bench: the test suite, then benchmarks, peers, report
 # and gate; either alone for a run split over two sessions of one build; `matrix` alone runs only
-# the fp32 matrix and its peers into OUTDIR, and a later `bench` into the same OUTDIR takes them
-# from there, unless the benchmarks were rebuilt since, and runs the rest, so the benchmarks too can
-# be split over two sessions),
+# the fp32 matrix and its peers into OUTDIR, and a later run of `bench` alone into the same OUTDIR
+# takes them from there once (same settings, no rebuild since) and runs the rest, so the
+# benchmarks too can be split over two sessions),
 # STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
@@ -92,14 +92,26 @@ for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
   more_peers_bf16+="; bench/peers.py --precision=bf16 --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
 done
-# fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase leaves them,
-# with the command that made them, for a later `bench` phase of the same build.
-# (Only while the benchmark binary is older than them: a rebuild measures again.)
-if [[ ",$phases," != *,matrix,* && "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ]]; then
+# fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase that passed
+# leaves them in OUTDIR with matrix.done (the settings that shaped them, then the command); a later
+# run whose phases are `bench` alone takes them from there, once, if its settings are the same and
+# the benchmark binary is older than matrix.done (a rebuild measures again). Any other run
+# measures afresh.
+settings="reps=$reps args=${STRATA_BENCH_ARGS:-} peers=${STRATA_PEERS_MODEL:-gpt-871m} more=${STRATA_MORE_PEER_MODELS-gpt-medium} offload=$offload_py gpus=$gpu_count"
+reuse=0
+if [ "$phases" = bench ] && [ -f "$outdir/matrix.done" ]; then
+  if [ "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ] && [ "$(head -n 1 "$outdir/matrix.done")" = "$settings" ]; then
+    reuse=1
+  else
+    echo "ci/gpu.sh: $outdir/matrix.done is older than the benchmarks or from other settings: measuring again"
+  fi
+fi
+if [ "$reuse" = 1 ]; then
   echo "ci/gpu.sh: the fp32 matrix and peers from an earlier matrix phase ($outdir/matrix.done)"
-  bench_command=$(cat "$outdir/matrix.done")
-  rm -f "$outdir/matrix.done"  # used once: a later run into OUTDIR measures afresh
+  bench_command=$(sed -n 2p "$outdir/matrix.done")
+  rm -f "$outdir/matrix.done"  # used once
 else
+rm -f "$outdir/matrix.done"  # whatever an earlier run left no longer describes OUTDIR
 echo "ci/gpu.sh: benchmark matrix"
 ./build/cuda/bench/strata_bench --device=cuda:0 --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} \
   --benchmark_out="$outdir/bench.json" --benchmark_out_format=json > "$outdir/bench.txt" 2>&1 || status=1
@@ -142,7 +154,7 @@ if [ "$gpu_count" -gt 1 ]; then
     bench_command+="; launch.py --nproc=$gpu_count -- strata_bench --device=cuda:0 --benchmark_repetitions=$reps --models=gpt-871m ${cell#*|}"
   done
   # One file for the gate: the matrix and the two-GPU cells.
-  merge_into "$outdir/bench.json" "${cell_files[@]}"
+  merge_into "$outdir/bench.json" "${cell_files[@]}" || status=1
 fi
 echo "ci/gpu.sh: PyTorch peers"
 # A peer that fails (other than out of memory) or fails its parity check fails the job.
@@ -162,9 +174,9 @@ for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
     --out="$outdir/peers-$model.json" 2>&1 | tee "$outdir/peers-$model.txt" || { echo "ci/gpu.sh: a $model peer failed"; status=1; }
   merge_into "$outdir/peers.json" "$outdir/peers-$model.json" || status=1
 done
-if [[ ",$phases," == *,matrix,* ]]; then
-  [ "$status" -eq 0 ] && echo "$bench_command" > "$outdir/matrix.done"
-  [[ ",$phases," == *,bench,* ]] || exit $status
+if [[ ",$phases," == *,matrix,* && ",$phases," != *,bench,* ]]; then
+  [ "$status" -eq 0 ] && printf '%s\n%s\n' "$settings" "$bench_command" > "$outdir/matrix.done"
+  exit $status
 fi
 fi
 # bf16 compute over fp32 masters, for every strategy that trains in it

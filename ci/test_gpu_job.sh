@@ -10,7 +10,7 @@
 #   ci/test_gpu_job.sh [PYTHON]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-python=${1:-python3}
+python=$(command -v "${1:-python3}") || { echo "test_gpu_job: no ${1:-python3}"; exit 1; }  # before PATH gains the stand-ins
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "test_gpu_job: FAILED: $*"; exit 1; }
@@ -36,6 +36,7 @@ if [ "\$1" = bench/peers.py ]; then
       --self-test) exit 0;; esac
   done
   echo "peers \$prec \$model" >> "$work/calls"
+  [ -n "\${STUB_PEERS_FAIL:-}" ] && exit 1
   src=$work/h200/peers.json; [ \$prec = bf16 ] && src=$work/h200-bf16/peers.json
   sed "s#/gpt-871m#/\$model#g" "\$src" > "\$out"
   exit 0
@@ -89,4 +90,18 @@ job matrix || fail "the matrix phase exited non-zero"
 touch "$work/repo/build/cuda/bench/strata_bench"
 job bench || fail "the bench phase after a rebuild exited non-zero"
 grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a matrix older than the binary"
-echo "test_gpu_job: ok (matrix, bench reusing it once, a rebuild measuring again)"
+# A matrix phase that failed leaves nothing to reuse, even where one that passed did before.
+job matrix || fail "the matrix phase exited non-zero"
+STUB_PEERS_FAIL=1 job matrix && fail "a matrix phase whose peers failed exited 0"
+[ ! -e "$out/matrix.done" ] || fail "a failed matrix phase left matrix.done"
+job bench || fail "the bench phase after a failed matrix phase exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a failed matrix phase's files"
+# Other settings, or phases other than bench alone, measure again.
+job matrix || fail "the matrix phase exited non-zero"
+STRATA_BENCH_REPS=2 job bench || fail "the bench phase with other settings exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a matrix of other settings"
+job matrix || fail "the matrix phase exited non-zero"
+job matrix,bench || fail "a matrix,bench run exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "a matrix,bench run reused the matrix"
+[ ! -e "$out/matrix.done" ] || fail "a matrix,bench run left matrix.done"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds and other settings measuring again)"
