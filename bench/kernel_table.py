@@ -5,7 +5,10 @@
 the span from the first GPU activity to the last, bytes copied each way; then time by kernel class
 (matrix products, attention, layer norm, loss, ...) with the difference against the first trace,
 the top kernels of each, and the longest stretches without a kernel (the start and end of the
-span included), with the copies that ran during each: where compute waited for the link.
+span included), with the copies that ran during each: where compute waited for the link. Where
+the trace links each kernel to its launch (the profilers' correlation ids), also how far ahead of
+the GPU the host launched (its lead) and how much of the idle time came before a kernel that the
+host had not launched yet: where compute waited for the host.
 
     kernel_table.py A.trace.json B.trace.json [...] [--labels a,b] [--top N] [--gaps N] [--markdown OUT.md]
 """
@@ -47,6 +50,46 @@ def load(path):
     if not out:
         sys.exit(f"kernel_table.py: {path} holds no GPU activity (was it recorded on a GPU, with CUDA activities?)")
     return out
+
+
+def launches(path):
+    """Each kernel's start on the GPU and its launch on the host (us), paired by the traces'
+    correlation ids; empty when the trace records no launches."""
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    launched = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = e.get("args", {}).get("correlation")
+            if c is not None:
+                launched[c] = float(e.get("ts", 0))
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "Kernel"):
+            c = e.get("args", {}).get("correlation")
+            if c in launched:
+                out.append((float(e.get("ts", 0)), launched[c]))
+    return sorted(out)
+
+
+def host_late(events, pairs):
+    """Of the compute-idle time, the part before a kernel that the host had not launched yet: for
+    each stretch without a kernel, from its start to the next kernel's launch, where that launch
+    came inside the stretch (us, total)."""
+    kernels = sorted((t, t + d) for name, cat, t, d, _ in events if "kernel" in cat)
+    launch_at = dict(pairs)
+    late, end = 0.0, None
+    for start, stop in kernels:
+        if end is not None and start > end and start in launch_at:
+            late += max(0.0, min(launch_at[start], start) - end)
+        end = stop if end is None else max(end, stop)
+    return late
+
+
+def percentile(values, q):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def classify(name, category):
@@ -147,9 +190,16 @@ def tables(paths, labels, top, gap_count=5):
         lines += ["", f"Top {top} kernels, {label}:", "", "| ms | n | share | kernel |", "|---:|---:|---:|---|"]
         for name, (ms, n) in sorted(s["by_name"].items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"| {ms:.2f} | {n} | {ms / s['busy']:.1%} | `{short(name)}` |")
-    for label, events in zip(labels, traces):
+    for path, label, events in zip(paths, labels, traces):
         gaps, total = compute_gaps(events, gap_count)
-        lines += ["", f"Compute idle, {label}: {total / 1e3:.2f} ms without a kernel running; the longest stretches:",
+        pairs = launches(path)
+        host = ""
+        if pairs:
+            leads = [(gpu - host_ts) / 1e3 for gpu, host_ts in pairs]
+            host = (f" ({host_late(events, pairs) / 1e3:.2f} ms of it before a kernel the host had not launched yet; "
+                    f"the host's lead at each kernel's start: median {percentile(leads, 0.5):.2f} ms, "
+                    f"10th percentile {percentile(leads, 0.1):.2f} ms)")
+        lines += ["", f"Compute idle, {label}: {total / 1e3:.2f} ms without a kernel running{host}; the longest stretches:",
                   "", "| ms | after | before | copies meanwhile |", "|---:|---|---|---|"]
         for g, before, after, during in gaps:
             lines.append(f"| {g / 1e3:.2f} | `{short(before, 60)}` | `{short(after, 60)}` | {', '.join(during) or '-'} |")

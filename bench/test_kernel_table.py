@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks bench/kernel_table.py on two hand-made traces: kernels are classed and summed per class,
-copies and sets counted apart, CPU events ignored, and a trace without GPU work refused."""
+copies and sets counted apart, CPU events ignored, the idle time before kernels the host had not
+launched yet found through the launches' correlation ids, and a trace without GPU work refused."""
 import json
 import os
 import subprocess
@@ -54,6 +55,22 @@ def main():
     copied = kernel_table.summarize(kernel_table.load(gap))["copied"]
     assert copied["HtoD"] == [4000000, 20.0, 0] and copied["DtoH"] == [2000000, 50.0, 0], copied
     assert "| copied DtoH | 0.002 GB at 40.0 GB/s |" in kernel_table.tables([gap], ["g"], top=1), "copy line"
+    # Launches linked to kernels: k2 was launched 1 ms into the 1.5 ms stretch before it, so 1 ms of
+    # the idle waited for the host; k3 was queued long before it ran. Leads: 1, 0.5 and 4 ms.
+    linked = empty.replace("empty", "linked")
+    trace(linked, [dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=0, dur=2, args={"correlation": 1}),
+                   dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=3000, dur=2, args={"correlation": 2}),
+                   dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=500, dur=2, args={"correlation": 3}),
+                   dict(cat="kernel", name="k1", ts=1000, dur=1000, args={"correlation": 1}),
+                   dict(cat="kernel", name="k2", ts=3500, dur=1000, args={"correlation": 2}),
+                   dict(cat="kernel", name="k3", ts=4500, dur=500, args={"correlation": 3})])
+    pairs = kernel_table.launches(linked)
+    assert pairs == [(1000.0, 0.0), (3500.0, 3000.0), (4500.0, 500.0)], pairs
+    assert kernel_table.host_late(kernel_table.load(linked), pairs) == 1000.0
+    text = kernel_table.tables([linked, gap], ["l", "g"], top=1)
+    assert ("Compute idle, l: 1.50 ms without a kernel running (1.00 ms of it before a kernel the host had not "
+            "launched yet; the host's lead at each kernel's start: median 1.00 ms, 10th percentile 0.50 ms)") in text, text
+    assert "Compute idle, g: 0.06 ms without a kernel running; the longest" in text, text  # no launches recorded
     r = subprocess.run([sys.executable, os.path.join(HERE, "kernel_table.py"), empty], capture_output=True, text=True)
     assert r.returncode != 0 and "no GPU activity" in r.stderr, (r.returncode, r.stderr)
     print("kernel_table.py: every check passed")
