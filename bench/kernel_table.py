@@ -14,6 +14,7 @@ host had not launched yet: where compute waited for the host.
 """
 import argparse
 import collections
+import functools
 import json
 import re
 import sys
@@ -34,14 +35,19 @@ CLASSES = [
 CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 
 
+@functools.lru_cache(maxsize=None)
+def trace_events(path):
+    """A trace's events, read once however many tables ask (traces run to tens of MB)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def load(path):
     """GPU activities of a trace as (name, category, start us, duration us, bytes or None where the
     trace gives no byte count)."""
-    with open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
     out = []
-    for e in events:
+    for e in trace_events(path):
         if e.get("ph") != "X" or e.get("cat") not in CATEGORIES:
             continue
         nbytes = e.get("args", {}).get("bytes")
@@ -55,9 +61,7 @@ def load(path):
 def launches(path):
     """Each kernel's start on the GPU and its launch on the host (us), paired by the traces'
     correlation ids; empty when the trace records no launches."""
-    with open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = trace_events(path)
     launched = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):

@@ -62,6 +62,17 @@ for extra in sys.argv[2:]:
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
 }
+# more_peers_into TARGET [PEERS.PY ARGS...]: PyTorch's plain and checkpointed steps for each of
+# STRATA_MORE_PEER_MODELS, merged into TARGET (their files beside it, TARGET's name and the model's).
+more_peers_into() {
+  local target=$1 model out; shift
+  for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
+    out=${target%.json}-$model.json
+    PYTHONUNBUFFERED=1 python3 bench/peers.py "$@" --model="$model" --steps=5 --peers=torch_baseline,torch_checkpoint \
+      --out="$out" 2>&1 | tee "${out%.json}.txt" || { echo "ci/gpu.sh: a $model peer failed ($*)"; status=1; }
+    merge_into "$target" "$out" || status=1
+  done
+}
 if [[ ",$phases," == *,suite,* ]]; then
 ctest --preset cuda -j 8 > "$outdir/ctest.log" 2>&1 || status=$?
 grep -E "tests passed|Failed|Skipped" "$outdir/ctest.log" | tail -n 12
@@ -169,11 +180,7 @@ if [ "$gpu_count" -gt 1 ]; then
 fi
 # The matrix's other GPT beside PyTorch's plain and checkpointed steps, so its report table has
 # their columns too.
-for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
-  PYTHONUNBUFFERED=1 python3 bench/peers.py --model="$model" --steps=5 --peers=torch_baseline,torch_checkpoint \
-    --out="$outdir/peers-$model.json" 2>&1 | tee "$outdir/peers-$model.txt" || { echo "ci/gpu.sh: a $model peer failed"; status=1; }
-  merge_into "$outdir/peers.json" "$outdir/peers-$model.json" || status=1
-done
+more_peers_into "$outdir/peers.json"
 if [[ ",$phases," == *,matrix,* && ",$phases," != *,bench,* ]]; then
   [ "$status" -eq 0 ] && printf '%s\n%s\n' "$settings" "$bench_command" > "$outdir/matrix.done"
   exit $status
@@ -193,11 +200,7 @@ bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf
 { cp "$outdir/bench.json" "$outdir/bench-gated.json" && merge_into "$outdir/bench-gated.json" "$outdir/bench-bf16.json"; } || status=1
 PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
   --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
-for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
-  PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="$model" --steps=5 --peers=torch_baseline,torch_checkpoint \
-    --out="$outdir/peers-bf16-$model.json" 2>&1 | tee "$outdir/peers-bf16-$model.txt" || { echo "ci/gpu.sh: a bf16 $model peer failed"; status=1; }
-  merge_into "$outdir/peers-bf16.json" "$outdir/peers-bf16-$model.json" || status=1
-done
+more_peers_into "$outdir/peers-bf16.json" --precision=bf16
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
   --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
 
