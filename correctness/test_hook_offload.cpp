@@ -175,6 +175,21 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
       s->optimizer_step();
     }
   }
+  // `opening` sets how many, whatever prefetch is: none, two, or more than the model has (all).
+  const int64_t windows = model.num_blocks();
+  for (int64_t opening : {0, 2, 99}) {
+    const std::string where = "prefetch=1 opening=" + std::to_string(opening);
+    const int64_t expected = opening > 0 ? opening_bytes(model, std::min(opening, windows) - 1) : 0;
+    auto s = make_offload({{"prefetch", "1"}, {"opening", std::to_string(opening)}});
+    s->attach(models::build_model(config, 0));
+    s->train_step(batch);
+    s->reset_stats();
+    s->optimizer_step();
+    EXPECT_EQ(s->stats().bytes_h2d, expected) << where;
+    EXPECT_EQ(s->offloaded_bytes_on_device(), expected) << where;
+    s->forward(batch.input);  // uses them and lets them go
+    EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << where;
+  }
 }
 
 // A resident block's copy is refreshed inside optimizer_step, as soon as its own update has run
@@ -364,6 +379,48 @@ TEST(HookOffload, peak_memory_stays_under_the_analytic_bound_and_a_late_release_
   }
 }
 
+// `lead` lets the host run further ahead of the device: a released window whose compute is still
+// queued keeps its memory from reuse until that compute has run, so the allocator must reserve
+// fresh memory for the next fetch. A compute delay at every block makes sure the host is ahead;
+// windows of 16 MiB each take a segment of their own. The windows held do not change with it.
+// CUDA only (CudaOnly.* is not listed for the CPU): there compute runs on the calling thread, so
+// the host is never ahead.
+TEST(CudaOnly, hook_offload_lead_keeps_more_released_windows_pending_on_the_device) {
+  const auto dev = test::device();
+  ASSERT_TRUE(dev.is_cuda()) << "CudaOnly tests need --device=cuda";
+  models::ModelConfig c;
+  c.kind = models::ModelKind::mlp;
+  c.depth = 8;
+  c.width = c.in_features = c.classes = 2048;
+  c.tied = false;
+  const int64_t W = window_bytes(models::build_model(c, 0), 1);
+  const auto batch = models::make_batch(c, 2, 1);
+  device::ScopedDelays delays({0ms, 20ms});
+  struct Seen {
+    int64_t params = 0, reserved = 0;
+  };
+  auto with_lead = [&](int64_t lead) {
+    auto s = make_offload({{"prefetch", "1"}, {"lead", std::to_string(lead)}});
+    s->attach(models::build_model(c, 0));
+    s->train_step(batch);  // warm-up: optimizer state, library workspaces
+    s->optimizer_step();
+    device::release_cached_memory(dev);
+    const auto at_rest = device::allocator_stats(dev).reserved;
+    s->reset_stats();
+    s->train_step(batch);
+    s->finish_backward();
+    device::synchronize(dev);
+    const auto mem = s->stats().devices.at(dev.str());
+    s->optimizer_step();
+    return Seen{mem.peak_param_bytes, mem.peak_reserved - at_rest};
+  };
+  const auto one = with_lead(1), three = with_lead(3);
+  EXPECT_LE(one.params, 2 * W);
+  EXPECT_EQ(three.params, one.params) << "lead changed the windows held";
+  EXPECT_GE(three.reserved, one.reserved + W)
+      << "lead=3 reserved no more than lead=1 (window " << W << " bytes): the host did not run further ahead";
+}
+
 TEST(HookOffload, forward_only_streams_and_matches_the_baseline) {
   const auto config = gpt(3, 16);
   const auto batch = models::make_batch(config, 2, 1);
@@ -391,6 +448,8 @@ TEST(HookOffload, parity_holds_with_injected_delays) {
     for (const auto& options : std::vector<std::map<std::string, std::string>>{
              {{"prefetch", "0"}, {"debug_poison", "1"}},
              {{"prefetch", "2"}, {"debug_poison", "1"}},
+             {{"prefetch", "2"}, {"lead", "3"}, {"debug_poison", "1"}},
+             {{"prefetch", "1"}, {"opening", "99"}, {"debug_poison", "1"}},
              {{"prefetch", "1"}, {"activations", "keep"}, {"debug_poison", "1"}},
              {{"prefetch", "1"}, {"overlap_optimizer", "1"}, {"debug_poison", "1"}}}) {
       correctness::ParityCase pc;
@@ -466,6 +525,9 @@ TEST(HookOffload, bad_options_name_the_value) {
   };
   using ::testing::HasSubstr;
   EXPECT_THAT(error_of({{"prefetch", "-1"}}), HasSubstr("prefetch=-1"));
+  EXPECT_THAT(error_of({{"lead", "-2"}}), HasSubstr("lead=-2"));
+  EXPECT_THAT(error_of({{"opening", "-1"}}), HasSubstr("opening='-1'"));
+  EXPECT_THAT(error_of({{"opening", "3x"}}), HasSubstr("opening='3x'"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));

@@ -579,6 +579,8 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   for (const auto* a : {"keep", "recompute"})
     EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.at("activations") == a; }), 0.30) << a;
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident") > 0; }), 0.15);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("opening") > 0; }), 0.15);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("lead") > 0; }), 0.15);
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it.
   const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);
   EXPECT_EQ(fraction(sync, [](const ParityCase& c) { return c.options.count("prefetch") > 0; }), 0.0);

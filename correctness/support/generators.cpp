@@ -98,19 +98,27 @@ ModelShape shape_of(const ParityCase& c) {
 namespace {
 
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
-// sometimes one block kept resident; `with_prefetch` adds the prefetch depth (hook_offload_sync
-// keeps its own default of 0, which is what it is registered to test).
+// sometimes one block kept resident, a window count fetched by the optimizer step for the next
+// forward (up to one more than the model has), or a longer lead of the host over the device;
+// `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0, which is
+// what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch) {
   return [with_prefetch](const ModelShape& shape, const std::vector<std::string>&) {
+    auto sometimes = [](rc::Gen<int> value) {
+      return rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, std::move(value)}});
+    };
+    const int blocks = static_cast<int>(shape.blocks);
     return rc::gen::apply(
-        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident) {
+        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
           if (resident >= 0) o["resident"] = std::to_string(resident);
+          if (opening >= 0) o["opening"] = std::to_string(opening);
+          if (lead >= 0) o["lead"] = std::to_string(lead);
           return o;
         },
-        uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
-        rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, uniform<int>(0, static_cast<int>(shape.blocks))}}));
+        uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
+        sometimes(uniform<int>(0, blocks + 2)), sometimes(uniform<int>(0, 4)));
   };
 }
 

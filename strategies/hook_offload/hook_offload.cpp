@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <numeric>
 #include <thread>
 #include <unordered_map>
@@ -18,6 +19,15 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   OptionReader reader("hook_offload", options);
   HookOffloadOptions o;
   o.prefetch = reader.get_int("prefetch", o.prefetch);
+  o.lead = reader.get_int("lead", o.lead);
+  const auto opening = reader.get_string("opening", "auto");
+  if (opening != "auto") {
+    char* end = nullptr;
+    const long long n = std::strtoll(opening.c_str(), &end, 10);
+    STRATA_CHECK(!opening.empty() && *end == '\0' && n >= 0,
+                 "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
+    o.opening = n;
+  }
   const auto activations = reader.get_string("activations", "recompute");
   STRATA_CHECK(activations == "recompute" || activations == "keep",
                "hook_offload: option activations='" << activations << "' is not valid; use recompute or keep");
@@ -36,6 +46,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
 
 void HookOffloadOptions::validate() const {
   STRATA_CHECK(prefetch >= 0, "hook_offload: prefetch=" << prefetch << " must be 0 (synchronous) or more");
+  STRATA_CHECK(lead >= 0, "hook_offload: lead=" << lead << " must be 0 (wait for each released window's compute) or more");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
 }
 
@@ -262,9 +273,9 @@ void HookOffload::hold_window(int64_t block) {
   }
   // Rate limit: the host queues work far ahead of the device. Memory released by a window is only
   // reusable once the compute that read it has run, so before fetching another window wait until
-  // at most one released window is still pending on the device; otherwise the caching allocator
-  // sees nothing it may reuse and reserves fresh memory for every fetch.
-  while (releases_.size() > 1) {
+  // at most `lead` released windows are still pending on the device; otherwise the caching
+  // allocator sees nothing it may reuse and reserves fresh memory for every fetch.
+  while (static_cast<int64_t>(releases_.size()) > options_.lead) {
     wait_for(releases_.front());
     releases_.pop_front();
   }
@@ -302,6 +313,12 @@ void HookOffload::prefetch_from(int64_t block, bool backward) {
     if (next < 0 || next >= n) break;
     hold_window(next);
   }
+}
+
+int64_t HookOffload::opening_windows() const {
+  const auto n = static_cast<int64_t>(windows_.size());
+  if (options_.opening >= 0) return std::min(options_.opening, n);
+  return options_.prefetch > 0 ? std::min(options_.prefetch + 1, n) : 0;
 }
 
 void HookOffload::before_compute(int64_t block, bool backward) {
@@ -390,12 +407,8 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   d2h_.copy(host_values, values);
   d2h_.copy(host_touched, touched);
   bytes_d2h_ += values.nbytes() + touched.nbytes();
-  auto landed = d2h_.record();
-  last_copy_ = landed;
-  ++host_sums_pending_;
-  host_.submit([this, landed, host_values, host_touched, grad = unit.host_grad, cols, n] {
-    landed.synchronize();
-    device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
+  last_copy_ = d2h_.record();
+  add_on_host(last_copy_, [host_values, host_touched, grad = unit.host_grad, cols, n] {
     float* g = grad.data_ptr<float>();
     const float* v = host_values.data_ptr<float>();
     const int64_t* row = host_touched.data_ptr<int64_t>();
@@ -407,6 +420,15 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
         for (const float* src = v + e; e < stop; ++e) *dst++ += *src++;
       }
     });
+  });
+}
+
+void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
+  ++host_sums_pending_;
+  host_.submit([this, landed = std::move(landed), add = std::move(add)] {
+    landed.synchronize();
+    device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
+    add();
     --host_sums_pending_;
   });
 }
@@ -426,14 +448,7 @@ void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
     auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
     d2h_.copy(staging, flat);
-    auto landed = d2h_.record();
-    ++host_sums_pending_;
-    host_.submit([this, landed, staging, grad = unit.host_grad] {
-      landed.synchronize();
-      device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
-      grad.add_(staging);
-      --host_sums_pending_;
-    });
+    add_on_host(d2h_.record(), [staging, grad = unit.host_grad]() mutable { grad.add_(staging); });
   }
   last_copy_ = d2h_.record();
   if (options_.overlap_optimizer) queue_update(unit, last_copy_);
@@ -683,12 +698,10 @@ void HookOffload::optimizer_step() {
         refresh_if_stale(unit);
       }
     // The others in the order the next forward needs them. The windows that forward opens with
-    // (0 to prefetch) are fetched as soon as their units are updated, so their copies run beside
-    // the rest of this pass, while the link is otherwise idle, and not at the forward's start.
-    // (Queuing them, allocation included, counts in host_update_ms.)
-    const auto opening = options_.prefetch > 0
-                             ? std::min<int64_t>(options_.prefetch + 1, static_cast<int64_t>(windows_.size()))
-                             : 0;
+    // (`opening`: 0 to prefetch by default) are fetched as soon as their units are updated, so
+    // their copies run beside the rest of this pass, while the link is otherwise idle, and not at
+    // the forward's start. (Queuing them, allocation included, counts in host_update_ms.)
+    const auto opening = opening_windows();
     int64_t next_window = 0;
     auto fetch_windows_through = [&](int64_t last) {
       for (; next_window < opening && next_window <= last; ++next_window) {
@@ -811,6 +824,9 @@ std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
 static const OptionDocumenter hook_offload_docs(
     {"hook_offload", "hook_offload_sync", "hook_offload_overlap"},
     {{"prefetch", "0..", "blocks fetched ahead of the one computing"},
+     {"lead", "0..", "released windows whose compute may still be pending when the host fetches another"},
+     {"opening", "auto, 0..",
+      "windows optimizer_step fetches for the next forward beside its host pass (auto: prefetch + 1; without overlap_optimizer)"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},

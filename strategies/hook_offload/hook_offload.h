@@ -24,6 +24,7 @@
 // device for good: they are small next to the weights, and a buffer the forward updates must keep
 // one value across forward, recompute and the next step.
 #include <atomic>
+#include <functional>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -40,6 +41,17 @@ struct HookOffloadOptions {
   /// against 3.65), one ahead leaves the link idle between windows; two cost one more window of
   /// device memory during the forward (bench/NOTES.md, "prefetch 2 by default").
   int64_t prefetch = 2;
+  /// Windows released by the host whose compute may still be queued on the device when it fetches
+  /// another: how far the host may run ahead. Memory a released window held is reusable only once
+  /// that compute has run, so each one more costs up to a window of reserved device memory; a host
+  /// that issues a block's work about as fast as the device runs it (small blocks) needs the lead.
+  int64_t lead = 1;
+  /// Windows that optimizer_step fetches for the next forward (without overlap_optimizer), each as
+  /// soon as its units are updated, so their copies run beside the host pass and not at the
+  /// forward's start; -1 (auto): prefetch + 1, none with prefetch=0. More than the model has: all.
+  /// They stay on the device from the step to their block's forward; where a step's peak is set
+  /// elsewhere (a head's backward), holding more at the forward's start costs no peak.
+  int64_t opening = -1;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
@@ -136,6 +148,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// The last use of a tied matrix whose first use was sent already: its rows that are not all
   /// zero, with their indices, added on the host (or all of it when more than half are touched).
   void send_rows(Unit& unit, const torch::Tensor& flat);
+  /// Runs `add` on the host queue once `landed` has passed (a gradient summed into its host
+  /// buffer), counted in gradients_in_flight() until it has run and timed as host update work.
+  void add_on_host(device::Event landed, std::function<void()> add);
   /// Runs one queued update: of those whose gradients have landed, the unit the next forward
   /// needs first; if none has landed yet, the one queued first.
   void run_next_update();
@@ -151,6 +166,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   void drop_window(int64_t block);
   void wait_for_window(int64_t block);
   void prefetch_from(int64_t block, bool backward);
+  /// The windows optimizer_step fetches for the next forward (the `opening` option resolved).
+  int64_t opening_windows() const;
   void finish_pending();
   bool merged(int64_t block) const;
   /// What travels to the device for a unit: its host copy in the transfer dtype.
