@@ -16,11 +16,15 @@ Under torchrun with several ranks it runs the data-parallel peers instead — DD
 (fully_shard per block and on the root) and FSDP2 with CPUOffloadPolicy — one GPU per rank, each
 first checked on gpt-tiny against one process on the whole batch; with --peers=torch_pp_gpipe,
 torch_pp_1f1b,torch_pp_interleaved,torch_pp_zbv, torch.distributed.pipelining's schedules over the
-ranks (the whole batch in --micro-batches), checked the same way.
+ranks (the whole batch in --micro-batches), checked the same way. The two schedules with two
+stages per rank also run on one rank (torchrun --nproc-per-node=1: both stages on one GPU, as
+strata's pipelines share one); under --precision=bf16 every stage computes under autocast and
+passes its activations on in bf16.
 
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --out=peers-x2.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --peers=torch_pp_1f1b --micro-batches=8 --out=pp.json
+  torchrun --nproc-per-node=1 bench/peers.py --peers=torch_pp_interleaved,torch_pp_zbv --precision=bf16 --out=pp1.json
   python3 bench/peers.py --self-test [--offload-py=PATH]   # the parity check fails a wrong peer, passes right ones
 """
 import argparse
@@ -433,11 +437,14 @@ def build_distributed_peer(kind, c, dev, local):
 
 
 def reference_gradients(c, dev):
-    """The batch, and one process's gradients on all of it (the model from torch.manual_seed(0))."""
+    """The batch, and one process's gradients on all of it (the model from torch.manual_seed(0));
+    under --precision=bf16 under autocast, as torch_baseline."""
     idx, target = batch(c, dev)
     torch.manual_seed(0)
     ref = GPT(c, checkpoint=False).to(dev)
-    F.cross_entropy(ref(idx).reshape(-1, c["vocab"]), target.reshape(-1)).backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
+        loss = F.cross_entropy(ref(idx).reshape(-1, c["vocab"]), target.reshape(-1))
+    loss.backward()
     return idx, target, {n: p.grad.detach().float().cpu() for n, p in ref.named_parameters()}
 
 
@@ -476,16 +483,25 @@ PIPELINES = {"torch_pp_gpipe": ("ScheduleGPipe", 1), "torch_pp_1f1b": ("Schedule
 
 
 class StageModule(nn.Module):
+    """Under --precision=bf16 a stage computes under autocast, as torch_baseline does in one
+    process, and its activations (and their gradients) travel between stages in bf16, as strata's
+    do: a received one is widened again, so the residual stream stays fp32 inside each stage."""
     def __init__(self, embedding, blocks, head):
         super().__init__()
         self.embedding, self.blocks, self.head = embedding, nn.ModuleList(blocks), head
+        self.bf16 = PRECISION == "bf16"
 
     def forward(self, x):
-        if self.embedding is not None:
-            x = self.embedding(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x) if self.head is not None else x
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            if self.embedding is not None:
+                x = self.embedding(x)
+            elif self.bf16:
+                x = x.float()
+            for b in self.blocks:
+                x = b(x)
+            if self.head is not None:
+                return self.head(x)
+        return x.to(torch.bfloat16) if self.bf16 else x
 
 
 def build_pipeline_peer(kind, c, dev, rank, world, n_micro, total_tokens):
@@ -494,6 +510,9 @@ def build_pipeline_peer(kind, c, dev, rank, world, n_micro, total_tokens):
     import inspect
     import torch.distributed.pipelining as pp
     cls_name, per_rank = PIPELINES[kind]
+    if world * per_rank < 2:
+        raise ValueError(f"{kind} runs one stage per rank, so one rank would be no pipeline; on one GPU "
+                         "run torch_pp_interleaved or torch_pp_zbv (two stages on the rank)")
     n_stages = world * per_rank
     if kind == "torch_pp_zbv":
         mine = [rank, 2 * world - 1 - rank]
@@ -525,7 +544,8 @@ def build_pipeline_peer(kind, c, dev, rank, world, n_micro, total_tokens):
         names.append(ref_names)
         stages.append(pp.PipelineStage(m, k, n_stages, dev))
     cls = getattr(pp, cls_name)
-    kw = {"loss_fn": lambda out, tgt: F.cross_entropy(out.reshape(-1, c["vocab"]), tgt.reshape(-1),
+    # The loss in fp32 (under bf16 the head's logits arrive in bf16), as strata and autocast take it.
+    kw = {"loss_fn": lambda out, tgt: F.cross_entropy(out.float().reshape(-1, c["vocab"]), tgt.reshape(-1),
                                                       reduction="sum") / total_tokens}
     if "scale_grads" in inspect.signature(cls.__init__).parameters:
         kw["scale_grads"] = False  # the loss is already the global batch's mean
@@ -579,7 +599,9 @@ def pipeline_parity(kind, dev, rank, world):
                 worst = max(worst, (got - g).abs().max().item() / (g.abs().max().item() or 1.0))
         w = torch.tensor([worst], device=dev)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
-        return w.item() < 1e-4, w.item()
+        # bf16: activations rounded to bf16 at each stage boundary where the reference keeps fp32,
+        # within bf16's rounding over the tiny model's depth, far below a doubled gradient's 1.0.
+        return w.item() < (0.1 if PRECISION == "bf16" else 1e-4), w.item()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
@@ -628,7 +650,9 @@ def run_distributed(args):
     results = []
     for kind in args.peers.split(","):
         pipelined = kind in PIPELINES
-        name = f"{kind}[m={args.micro_batches};ranks={world}]/{args.model}" if pipelined else f"{kind}[ranks={world}]/{args.model}"
+        tag = "" if PRECISION == "fp32" else f";precision={PRECISION}"
+        name = (f"{kind}[m={args.micro_batches};ranks={world}{tag}]/{args.model}" if pipelined
+                else f"{kind}[ranks={world}{tag}]/{args.model}")
         t0 = time.time()
         model = opt = None
         try:
@@ -687,7 +711,7 @@ def main():
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="bf16: torch_baseline and torch_checkpoint under torch.autocast(bfloat16), fsdp2 and "
                          "fsdp2_cpu_offload under FSDP2's MixedPrecisionPolicy (the default peer list becomes "
-                         "those four)")
+                         "those four; torch_pp_* peers under torchrun: every stage under autocast)")
     ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
     ap.add_argument("--out", help="the JSON to write (required unless --self-test)")
     ap.add_argument("--self-test", action="store_true",
@@ -701,14 +725,18 @@ def main():
         return self_test(args.offload_py)
     if not args.out:
         ap.error("--out is required")
-    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    global PRECISION
+    PRECISION = args.precision
+    # Pipeline peers also run on one rank (torchrun --nproc-per-node=1): two stages on one GPU.
+    pipelines_only = all(k in PIPELINES for k in args.peers.split(","))
+    if "RANK" in os.environ and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or pipelines_only):
         if is_bert(PRESETS[args.model]):
             ap.error("the data-parallel and pipeline peers run the GPT presets only")
         if args.peers == ap.get_default("peers"):
             args.peers = "ddp,fsdp2,fsdp2_cpu_offload"
+        if PRECISION != "fp32" and not pipelines_only:
+            ap.error(f"--precision={PRECISION} over ranks runs the torch_pp_* pipeline peers only")
         return run_distributed(args)
-    global PRECISION
-    PRECISION = args.precision
     if PRECISION != "fp32":
         mixed = ("torch_baseline", "torch_checkpoint", "fsdp2", "fsdp2_cpu_offload")
         if args.peers == ap.get_default("peers"):

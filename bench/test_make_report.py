@@ -22,12 +22,18 @@ def cell(strategy, model, **counters):
     return row
 
 
-def report(context, cells):
+def report(context, cells, peers=None):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "bench.json")
         with open(path, "w") as f:
             json.dump({"context": context, "benchmarks": cells}, f)
-        subprocess.run([sys.executable, MAKE_REPORT, "--strata", path, "--out", d], check=True, stdout=subprocess.DEVNULL)
+        extra = []
+        if peers:
+            extra = ["--peers", os.path.join(d, "peers.json")]
+            with open(extra[1], "w") as f:
+                json.dump({"context": {}, "benchmarks": peers}, f)
+        subprocess.run([sys.executable, MAKE_REPORT, "--strata", path, "--out", d] + extra, check=True,
+                       stdout=subprocess.DEVNULL)
         with open(os.path.join(d, "report.md")) as f:
             return f.read()
 
@@ -40,7 +46,11 @@ def main():
                        h2d_bytes_per_step=234100, d2h_bytes_per_step=121100)])
     gpu = report({"strata_device": "cuda:0", "peak_tflops": 400, "datasheet_tflops": 494.7, "h2d_link_GBps": 55},
                  [cell("baseline", "gpt-871m", peak_allocated_bytes=31 * 2**30, peak_reserved_bytes=32 * 2**30,
-                       peak_param_bytes=3.5e9, mfu=0.38)])
+                       peak_param_bytes=3.5e9, mfu=0.38),
+                  cell("pipeline_zero_bubble", "gpt-871m", fwd_bwd_ms=300.0, peak_allocated_bytes=2**30),
+                  cell("pipeline_interleaved", "gpt-871m", fwd_bwd_ms=240.0, peak_allocated_bytes=2**30)],
+                 peers=[{"name": "torch_pp_zbv[m=4;ranks=1]/gpt-871m", "real_time": 270.0, "fwd_bwd_ms": 250.0,
+                         "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1}])
     checks = [
         ("CPU memory from the strategies' accounting, in KiB", "peak resident params KiB (strategy accounting)" in cpu),
         ("CPU values that differ, not 0.00", "| 107.50 |" in cpu and "| 49.62 |" in cpu),
@@ -48,6 +58,9 @@ def main():
         ("no datasheet claim on the CPU", "no datasheet matmul figure" in cpu and "pinned host-to-device" not in cpu),
         ("GPU allocator peaks in GiB", "peak alloc GiB | peak reserved GiB" in gpu and "| 31.00 | 32.00 |" in gpu),
         ("GPU datasheet and link quoted", "494.7 TFLOP/s per GPU by datasheet" in gpu and "55.0 GB/s" in gpu),
+        ("a pipeline beside the torch pipelining peer named with its settings",
+         "| pipeline_zero_bubble | torch_pp_zbv[m=4;ranks=1] | 300.0 | 250.0 | 1.200 | — | shown |" in gpu),
+        ("no pair where the run has no such peer", "| pipeline_interleaved | torch_pp" not in gpu),
     ]
     failed = [what for what, ok in checks if not ok]
     for what, ok in checks:

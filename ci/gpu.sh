@@ -19,7 +19,8 @@
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
 # (a machine without a committed baseline passes, and its report says so), STRATA_PEERS_MODEL (default
-# gpt-871m), STRATA_MORE_PEER_MODELS (presets whose plain and checkpointed PyTorch peers also run,
+# gpt-871m; also the model of torch.distributed.pipelining's interleaved and ZBV peers, which run
+# on one rank in both precisions), STRATA_MORE_PEER_MODELS (presets whose plain and checkpointed PyTorch peers also run,
 # default gpt-medium; empty for none), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
@@ -73,6 +74,16 @@ more_peers_into() {
     merge_into "$target" "$out" || status=1
   done
 }
+# pipeline_peers_into TARGET [PEERS.PY ARGS...]: torch.distributed.pipelining's two schedules that
+# put two stages on a rank, on one rank (one GPU, as the matrix's pipeline cells share cuda:0, in as
+# many micro-batches as those cells: 2 per rank of 2), merged into TARGET.
+pipeline_peers_into() {
+  local target=$1 out=${1%.json}-pp.json; shift
+  NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node=1 bench/peers.py "$@" \
+    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --peers=torch_pp_interleaved,torch_pp_zbv --micro-batches=4 --steps=3 \
+    --out="$out" 2>&1 | tee "${out%.json}.txt" || { echo "ci/gpu.sh: a pipeline peer failed ($*)"; status=1; }
+  merge_into "$target" "$out" || status=1
+}
 if [[ ",$phases," == *,suite,* ]]; then
 ctest --preset cuda -j 8 > "$outdir/ctest.log" 2>&1 || status=$?
 grep -E "tests passed|Failed|Skipped" "$outdir/ctest.log" | tail -n 12
@@ -98,11 +109,14 @@ fi
 
 reps=${STRATA_BENCH_REPS:-5}
 offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
-more_peers="" more_peers_bf16=""  # the report headers' commands for STRATA_MORE_PEER_MODELS
+more_peers="" more_peers_bf16=""  # the report headers' commands for the peers beyond peers.py's defaults
 for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
   more_peers_bf16+="; bench/peers.py --precision=bf16 --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
 done
+pp_peers="torchrun --nproc-per-node=1 bench/peers.py --peers=torch_pp_interleaved,torch_pp_zbv --micro-batches=4 --steps=3"
+more_peers+="; $pp_peers"
+more_peers_bf16+="; $pp_peers --precision=bf16"
 # fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase that passed
 # leaves them in OUTDIR with matrix.done (the settings that shaped them, then the command); a later
 # run whose phases are `bench` alone takes them from there, once, if its settings are the same and
@@ -181,6 +195,7 @@ fi
 # The matrix's other GPT beside PyTorch's plain and checkpointed steps, so its report table has
 # their columns too.
 more_peers_into "$outdir/peers.json"
+pipeline_peers_into "$outdir/peers.json"
 if [[ ",$phases," == *,matrix,* && ",$phases," != *,bench,* ]]; then
   [ "$status" -eq 0 ] && printf '%s\n%s\n' "$settings" "$bench_command" > "$outdir/matrix.done"
   exit $status
@@ -201,6 +216,7 @@ bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf
 PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
   --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
 more_peers_into "$outdir/peers-bf16.json" --precision=bf16
+pipeline_peers_into "$outdir/peers-bf16.json" --precision=bf16
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
   --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
 

@@ -25,6 +25,12 @@ cat > "$work/bin/nvidia-smi" <<'EOF'
 echo "Stub GPU"
 EOF
 printf '#!/bin/sh\nexit 0\n' > "$work/bin/cmake"
+# torchrun: its own options dropped, the script and its arguments to the python3 stand-in.
+cat > "$work/bin/torchrun" <<'EOF'
+#!/bin/sh
+while [ $# -gt 0 ] && [ "$1" != bench/peers.py ]; do shift; done
+exec python3 "$@"
+EOF
 cp "$work/bin/cmake" "$work/bin/ctest"
 cat > "$work/bin/python3" <<EOF
 #!/bin/sh
@@ -35,8 +41,16 @@ if [ "\$1" = bench/peers.py ]; then
     case \$a in --out=*) out=\${a#--out=};; --precision=*) prec=\${a#--precision=};; --model=*) model=\${a#--model=};;
       --self-test) exit 0;; esac
   done
-  echo "peers \$prec \$model" >> "$work/calls"
+  pp=""; case "\$*" in *--peers=torch_pp_*) pp=" pp";; esac
+  echo "peers \$prec \$model\$pp" >> "$work/calls"
   [ -n "\${STUB_PEERS_FAIL:-}" ] && exit 1
+  if [ -n "\$pp" ]; then  # the pipeline peers on one rank: two made-up rows
+    tag=""; [ \$prec = bf16 ] && tag=";precision=bf16"
+    printf '{"context": {}, "benchmarks": [%s, %s]}' \
+      "{\"name\": \"torch_pp_interleaved[m=4;ranks=1\$tag]/\$model\", \"real_time\": 270, \"fwd_bwd_ms\": 250, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" \
+      "{\"name\": \"torch_pp_zbv[m=4;ranks=1\$tag]/\$model\", \"real_time\": 275, \"fwd_bwd_ms\": 255, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" > "\$out"
+    exit 0
+  fi
   src=$work/h200/peers.json; [ \$prec = bf16 ] && src=$work/h200-bf16/peers.json
   sed "s#/gpt-871m#/\$model#g" "\$src" > "\$out"
   exit 0
@@ -59,13 +73,13 @@ job() { : > "$work/calls"; STRATA_GPU_PHASES=$1 bash "$work/repo/ci/gpu.sh" "$ou
 
 job matrix || { cat "$work/log"; fail "the matrix phase exited non-zero"; }
 [ -f "$out/matrix.done" ] || fail "the matrix phase left no matrix.done"
-[ "$(cat "$work/calls")" = "$(printf 'strata_bench fp32\npeers fp32 gpt-871m\npeers fp32 gpt-medium')" ] \
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench fp32\npeers fp32 gpt-871m\npeers fp32 gpt-medium\npeers fp32 gpt-871m pp')" ] \
   || fail "the matrix phase ran: $(tr '\n' ',' < "$work/calls")"
 [ ! -e "$out/bench-bf16.json" ] || fail "the matrix phase ran the bf16 cells"
 
 job bench || { cat "$work/log"; fail "the bench phase exited non-zero"; }
 grep -q "from an earlier matrix phase" "$work/log" || fail "the bench phase did not say it reused the matrix"
-[ "$(cat "$work/calls")" = "$(printf 'strata_bench bf16\npeers bf16 gpt-871m\npeers bf16 gpt-medium')" ] \
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench bf16\npeers bf16 gpt-871m\npeers bf16 gpt-medium\npeers bf16 gpt-871m pp')" ] \
   || fail "the bench phase after a matrix phase ran: $(tr '\n' ',' < "$work/calls")"
 [ ! -e "$out/matrix.done" ] || fail "matrix.done was left for a second use"
 for f in report/report.md report-bf16/report.md gate.txt; do [ -s "$out/$f" ] || fail "no $f"; done
@@ -73,6 +87,11 @@ for f in report/report.md report-bf16/report.md gate.txt; do [ -s "$out/$f" ] ||
 [ "$(grep -c "^| torch_checkpoint (peer) |" "$out/report/report.md")" = 2 ] || fail "the fp32 report lacks a GPT's peers"
 [ "$(grep -cF "| torch_checkpoint[precision=bf16] (peer) |" "$out/report-bf16/report.md")" = 2 ] \
   || fail "the bf16 report lacks a GPT's peers"
+# The pipelines beside torch pipelining's peers on one rank, in both reports.
+grep -qF "| pipeline_zero_bubble | torch_pp_zbv[m=4;ranks=1] |" "$out/report/report.md" \
+  || fail "the fp32 report lacks the pipeline peers"
+grep -qF "| pipeline_interleaved | torch_pp_interleaved[m=4;ranks=1] |" "$out/report-bf16/report.md" \
+  || fail "the bf16 report lacks the pipeline peers"
 [ "$(grep -c "fails, as it must" "$work/log")" = 4 ] || fail "the gate's self-test did not fail its four doctored copies"
 $python - "$out" <<'PY' || fail "the merged files are wrong"
 import json, sys

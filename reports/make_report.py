@@ -110,9 +110,19 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
 # strata's steps against PyTorch's own, forward+backward, with the targets strata holds itself to
 # (bench/NOTES.md, "Reference speed"): a slower baseline would flatter every ratio built on it.
 # sharded at world size 1 beside FSDP2 at world size 1 has no target of its own yet (None): shown, not judged.
+# The pipelines beside torch.distributed.pipelining's schedules (a peer named with its settings,
+# "torch_pp_zbv[m=4;ranks=1]": on one GPU both its stages on one rank, as strata's ranks share it),
+# shown, not judged: their target is a ratio held across precisions, read off two reports.
 REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint", "torch_checkpoint", 1.01),
                    ("hook_offload", "torch_checkpoint", 1.03), ("hook_offload_overlap", "torch_checkpoint", 1.03),
-                   ("sharded", "fsdp2", None), ("sharded_offload", "fsdp2_cpu_offload", None)]
+                   ("sharded", "fsdp2", None), ("sharded_offload", "fsdp2_cpu_offload", None),
+                   ("pipeline_gpipe", "torch_pp_gpipe", None), ("pipeline_1f1b", "torch_pp_1f1b", None),
+                   ("pipeline_interleaved", "torch_pp_interleaved", None), ("pipeline_zero_bubble", "torch_pp_zbv", None)]
+
+
+def peer_named(kind, peers):
+    """The peer of that kind in this run: by its plain name, or the first named with its settings."""
+    return kind if kind in peers else next((k for k in peers if k.startswith(kind + "[")), None)
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 # A deferring cell's forward holds waits for the host: its device work is measured by its twin that
 # does not defer (same fetches, same compute).
@@ -144,7 +154,7 @@ def deferred(r):
 def reference_speed(rs, peers, triad):
     mine = {plain(r["strategy"]): r for r in rs if r["source"] == "strata" and not r["failed"]}
     out = []
-    pairs = [(a, b, t) for a, b, t in REFERENCE_PAIRS if a in mine and b in peers]
+    pairs = [(a, peer_named(b, peers), t) for a, b, t in REFERENCE_PAIRS if a in mine and peer_named(b, peers)]
     if pairs:
         out.append("\nReference speed, forward+backward against PyTorch's (target: at or below the ratio shown):\n")
         out.append("| strata | PyTorch | strata ms | PyTorch ms | ratio | target | |\n|---|---|---:|---:|---:|---:|---|")
