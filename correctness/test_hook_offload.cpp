@@ -144,11 +144,11 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
   }
 }
 
-// In plain mode optimizer_step fetches the windows the next forward opens with (0 to prefetch),
-// each once its units are updated: it moves their bytes, and the next train_step moves that much
-// less than a first step. Whether they hold the updated values is the parity properties' (they
-// compare every step's loss and gradients). The overlapped optimizer and prefetch=0 fetch nothing
-// there.
+// In plain mode optimizer_step fetches the windows the next forward opens with (0 to prefetch, or
+// as many as `opening` says), each once its units are updated: it moves their bytes, and the next
+// train_step moves that much less than a first step. Whether they hold the updated values is the
+// parity properties' (they compare every step's loss and gradients). The overlapped optimizer, and
+// prefetch=0 without an `opening`, fetch nothing there.
 TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_step) {
   const auto config = gpt(3, 16);
   const auto batch = models::make_batch(config, 2, 1);
@@ -528,6 +528,8 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"lead", "-2"}}), HasSubstr("lead=-2"));
   EXPECT_THAT(error_of({{"opening", "-1"}}), HasSubstr("opening='-1'"));
   EXPECT_THAT(error_of({{"opening", "3x"}}), HasSubstr("opening='3x'"));
+  EXPECT_THAT(error_of({{"opening", "99999999999999999999"}}), HasSubstr("opening='99999999999999999999'"));
+  EXPECT_THAT(error_of({{"opening", "2"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=2 needs overlap_optimizer=0"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));

@@ -98,12 +98,12 @@ ModelShape shape_of(const ParityCase& c) {
 namespace {
 
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
-// sometimes one block kept resident, a window count fetched by the optimizer step for the next
-// forward (up to one more than the model has), or a longer lead of the host over the device;
-// `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0, which is
-// what it is registered to test).
-OptionsGenerator hook_offload_options(bool with_prefetch) {
-  return [with_prefetch](const ModelShape& shape, const std::vector<std::string>&) {
+// sometimes one block kept resident, a longer lead of the host over the device, or (`with_opening`,
+// plain mode only) a window count fetched by the optimizer step for the next forward, up to one
+// more than the model has; `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own
+// default of 0 and fetches on demand, which is what it is registered to test).
+OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
+  return [with_prefetch, with_opening](const ModelShape& shape, const std::vector<std::string>&) {
     auto sometimes = [](rc::Gen<int> value) {
       return rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, std::move(value)}});
     };
@@ -118,7 +118,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch) {
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
-        sometimes(uniform<int>(0, blocks + 2)), sometimes(uniform<int>(0, 4)));
+        with_opening ? sometimes(uniform<int>(0, blocks + 2)) : rc::gen::just(-1), sometimes(uniform<int>(0, 4)));
   };
 }
 
@@ -289,9 +289,9 @@ rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vec
 
 const std::map<std::string, StrategyTraits>& strategy_traits() {
   static const std::map<std::string, StrategyTraits> all = {
-      {"hook_offload", {hook_offload_options(true), {}}},
-      {"hook_offload_overlap", {hook_offload_options(true), {}}},
-      {"hook_offload_sync", {hook_offload_options(false), {}}},
+      {"hook_offload", {hook_offload_options(true, true), {}}},
+      {"hook_offload_overlap", {hook_offload_options(true, false), {}}},
+      {"hook_offload_sync", {hook_offload_options(false, false), {}}},
       {"manual_split", {manual_split_options, {}}},
       {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},
       {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},

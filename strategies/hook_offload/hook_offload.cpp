@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <numeric>
+#include <stdexcept>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -22,11 +22,15 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.lead = reader.get_int("lead", o.lead);
   const auto opening = reader.get_string("opening", "auto");
   if (opening != "auto") {
-    char* end = nullptr;
-    const long long n = std::strtoll(opening.c_str(), &end, 10);
-    STRATA_CHECK(!opening.empty() && *end == '\0' && n >= 0,
-                 "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
-    o.opening = n;
+    bool ok = !opening.empty() && std::all_of(opening.begin(), opening.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (ok) {
+      try {
+        o.opening = std::stoll(opening);
+      } catch (const std::out_of_range&) {
+        ok = false;
+      }
+    }
+    STRATA_CHECK(ok, "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
   }
   const auto activations = reader.get_string("activations", "recompute");
   STRATA_CHECK(activations == "recompute" || activations == "keep",
@@ -47,6 +51,11 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
 void HookOffloadOptions::validate() const {
   STRATA_CHECK(prefetch >= 0, "hook_offload: prefetch=" << prefetch << " must be 0 (synchronous) or more");
   STRATA_CHECK(lead >= 0, "hook_offload: lead=" << lead << " must be 0 (wait for each released window's compute) or more");
+  STRATA_CHECK(opening >= -1, "hook_offload: opening=" << opening << " must be -1 (auto) or a window count, 0 or more");
+  // The overlapped optimizer fetches nothing in optimizer_step (its updates finish under the next
+  // forward, whose own fetches wait for them): an opening there would be silently ignored.
+  STRATA_CHECK(opening < 0 || !overlap_optimizer,
+               "hook_offload: opening=" << opening << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in optimizer_step)");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
 }
 
@@ -274,7 +283,9 @@ void HookOffload::hold_window(int64_t block) {
   // Rate limit: the host queues work far ahead of the device. Memory released by a window is only
   // reusable once the compute that read it has run, so before fetching another window wait until
   // at most `lead` released windows are still pending on the device; otherwise the caching
-  // allocator sees nothing it may reuse and reserves fresh memory for every fetch.
+  // allocator sees nothing it may reuse and reserves fresh memory for every fetch. (Releases whose
+  // compute has run are forgotten first, so a large lead does not keep every step's events.)
+  while (!releases_.empty() && releases_.front().done()) releases_.pop_front();
   while (static_cast<int64_t>(releases_.size()) > options_.lead) {
     wait_for(releases_.front());
     releases_.pop_front();
@@ -426,10 +437,13 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
 void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
   ++host_sums_pending_;
   host_.submit([this, landed = std::move(landed), add = std::move(add)] {
+    struct Uncount {  // also when the wait or the add throws: gradients_in_flight() must not stick
+      std::atomic<int64_t>& pending;
+      ~Uncount() { --pending; }
+    } uncount{host_sums_pending_};
     landed.synchronize();
     device::TimeInto timed(host_update_ns_);  // the sum the update needs, counted as update time
     add();
-    --host_sums_pending_;
   });
 }
 
@@ -826,7 +840,8 @@ static const OptionDocumenter hook_offload_docs(
     {{"prefetch", "0..", "blocks fetched ahead of the one computing"},
      {"lead", "0..", "released windows whose compute may still be pending when the host fetches another"},
      {"opening", "auto, 0..",
-      "windows optimizer_step fetches for the next forward beside its host pass (auto: prefetch + 1; without overlap_optimizer)"},
+      "windows from block 0 on that optimizer_step fetches for the next forward beside its host pass (auto: prefetch + 1, "
+      "none with prefetch 0; resident ones count, already there; needs overlap_optimizer=0)"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},

@@ -4,8 +4,8 @@
 // use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
 // and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
 // as a block's backward is done; the optimizer runs on the host, and (without overlap_optimizer)
-// fetches the windows the next forward opens with (blocks 0 to prefetch) as soon as their own
-// units are updated, so that forward does not start on an idle link. A tied parameter is one host
+// fetches the windows the next forward opens with (blocks 0 to prefetch, or `opening` of them) as
+// soon as their own units are updated, so that forward does not start on an idle link. A tied parameter is one host
 // copy, loaded once per use window by reference count, and receives the sum of its uses' gradients,
 // added on the device as each use's backward ends and sent to the host once, after the last; that
 // fp32 sum stays on the device from the first use's backward to the last's. A matrix used twice
@@ -46,9 +46,10 @@ struct HookOffloadOptions {
   /// that compute has run, so each one more costs up to a window of reserved device memory; a host
   /// that issues a block's work about as fast as the device runs it (small blocks) needs the lead.
   int64_t lead = 1;
-  /// Windows that optimizer_step fetches for the next forward (without overlap_optimizer), each as
-  /// soon as its units are updated, so their copies run beside the host pass and not at the
-  /// forward's start; -1 (auto): prefetch + 1, none with prefetch=0. More than the model has: all.
+  /// Windows, from block 0 on, that optimizer_step fetches for the next forward (needs
+  /// overlap_optimizer=0), each as soon as its units are updated, so their copies run beside the
+  /// host pass and not at the forward's start; -1 (auto): prefetch + 1, none with prefetch=0.
+  /// Resident windows count and are already there. More than the model has: all.
   /// They stay on the device from the step to their block's forward; where a step's peak is set
   /// elsewhere (a head's backward), holding more at the forward's start costs no peak.
   int64_t opening = -1;
@@ -96,7 +97,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   void reset_stats() override;
 
   /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
-  /// forward none; after optimizer_step (prefetch > 0, overlap_optimizer=0) windows 0 to prefetch.
+  /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows (0 to prefetch by default).
   int64_t offloaded_bytes_on_device() const;
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
