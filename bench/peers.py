@@ -485,7 +485,10 @@ PIPELINES = {"torch_pp_gpipe": ("ScheduleGPipe", 1), "torch_pp_1f1b": ("Schedule
 class StageModule(nn.Module):
     """Under --precision=bf16 a stage computes under autocast, as torch_baseline does in one
     process, and its activations (and their gradients) travel between stages in bf16, as strata's
-    do: a received one is widened again, so the residual stream stays fp32 inside each stage."""
+    do: a received one is widened again, so the residual stream stays fp32 inside each stage.
+    autocast around each stage's forward, as a user would write it, casts the stage's weights to
+    bf16 once per micro-batch (its cast cache lives as long as the context); strata's pipelines
+    cast once per step."""
     def __init__(self, embedding, blocks, head):
         super().__init__()
         self.embedding, self.blocks, self.head = embedding, nn.ModuleList(blocks), head

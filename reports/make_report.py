@@ -121,8 +121,15 @@ REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint",
 
 
 def peer_named(kind, peers):
-    """The peer of that kind in this run: by its plain name, or the first named with its settings."""
-    return kind if kind in peers else next((k for k in peers if k.startswith(kind + "[")), None)
+    """The peer of that kind in this run: by its plain name; a pipeline peer by its name with its
+    settings, on one rank (the matrix's pipeline cells share one GPU), the fewest micro-batches first."""
+    if kind in peers:
+        return kind
+    if not kind.startswith("torch_pp_"):
+        return None
+    named = [k for k in peers if k.startswith(kind + "[") and re.search(r"[\[;]ranks=1[;\]]", k)]
+    return min(named, key=lambda k: int(re.search(r"m=(\d+)", k).group(1)) if re.search(r"m=(\d+)", k) else 0,
+               default=None)
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 # A deferring cell's forward holds waits for the host: its device work is measured by its twin that
 # does not defer (same fetches, same compute).
