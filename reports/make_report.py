@@ -127,9 +127,11 @@ def peer_named(kind, peers):
         return kind
     if not kind.startswith("torch_pp_"):
         return None
+    def micro_batches(name):
+        m = re.search(r"m=(\d+)", name)
+        return int(m.group(1)) if m else 0
     named = [k for k in peers if k.startswith(kind + "[") and re.search(r"[\[;]ranks=1[;\]]", k)]
-    return min(named, key=lambda k: int(re.search(r"m=(\d+)", k).group(1)) if re.search(r"m=(\d+)", k) else 0,
-               default=None)
+    return min(named, key=micro_batches, default=None)
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 # A deferring cell's forward holds waits for the host: its device work is measured by its twin that
 # does not defer (same fetches, same compute).

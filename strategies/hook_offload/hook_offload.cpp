@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <numeric>
-#include <stdexcept>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -22,15 +21,9 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.lead = reader.get_int("lead", o.lead);
   const auto opening = reader.get_string("opening", "auto");
   if (opening != "auto") {
-    bool ok = !opening.empty() && std::all_of(opening.begin(), opening.end(), [](char c) { return c >= '0' && c <= '9'; });
-    if (ok) {
-      try {
-        o.opening = std::stoll(opening);
-      } catch (const std::out_of_range&) {
-        ok = false;
-      }
-    }
-    STRATA_CHECK(ok, "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
+    o.opening = reader.get_int("opening", o.opening);  // an Error names a value that is not an integer
+    STRATA_CHECK(o.opening >= 0,
+                 "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
   }
   const auto activations = reader.get_string("activations", "recompute");
   STRATA_CHECK(activations == "recompute" || activations == "keep",
@@ -462,7 +455,7 @@ void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
     auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
     d2h_.copy(staging, flat);
-    add_on_host(d2h_.record(), [staging, grad = unit.host_grad]() mutable { grad.add_(staging); });
+    add_on_host(d2h_.record(), [staging, grad = unit.host_grad] { grad.add_(staging); });
   }
   last_copy_ = d2h_.record();
   if (options_.overlap_optimizer) queue_update(unit, last_copy_);

@@ -2,19 +2,19 @@
 // Hook offload (seed 003, done right): parameters and gradients live in pinned host buffers
 // allocated once; each block's parameters are streamed to the device on a side stream just before
 // use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
-// and recomputes the block (or uses kept activations); gradients stream back to host buffers as soon
-// as a block's backward is done; the optimizer runs on the host, and (without overlap_optimizer)
-// fetches the windows the next forward opens with (blocks 0 to prefetch, or `opening` of them) as
-// soon as their own units are updated, so that forward does not start on an idle link. A tied parameter is one host
-// copy, loaded once per use window by reference count, and receives the sum of its uses' gradients,
-// added on the device as each use's backward ends and sent to the host once, after the last; that
-// fp32 sum stays on the device from the first use's backward to the last's. A matrix used twice
-// (the GPT's embedding and head; plain mode) is summed on the host instead: the first use's
-// gradient goes down as soon as it exists, hidden behind the rest of backward, and of the last
-// use's only the rows that are not all zero (the tokens the batch looked up) follow, added there.
-// What backward's end waits for is then those rows, not the whole matrix. (Only in a step's first
-// micro-batch, so accumulated ones still add up in autograd's order; and a unit whose last use
-// touched more than half its rows goes back to the device sum for good.)
+// and recomputes the block (or uses kept activations); gradients stream back to host buffers as
+// soon as a block's backward is done; the optimizer runs on the host, and (without
+// overlap_optimizer) fetches the windows the next forward opens with (blocks 0 to prefetch, or
+// `opening` of them) as soon as their own units are updated, so that forward does not start on an
+// idle link. A tied parameter is one host copy, loaded once per use window by reference count, and
+// receives the sum of its uses' gradients, added on the device as each use's backward ends and sent
+// to the host once, after the last; that fp32 sum stays on the device from the first use's backward
+// to the last's. A matrix used twice (the GPT's embedding and head; plain mode) is summed on the
+// host instead: the first use's gradient goes down as soon as it exists, hidden behind the rest of
+// backward, and of the last use's only the rows that are not all zero (the tokens the batch looked
+// up) follow, added there. What backward's end waits for is then those rows, not the whole matrix.
+// (Only in a step's first micro-batch, so accumulated ones still add up in autograd's order; and a
+// unit whose last use touched more than half its rows goes back to the device sum for good.)
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
@@ -24,8 +24,8 @@
 // device for good: they are small next to the weights, and a buffer the forward updates must keep
 // one value across forward, recompute and the next step.
 #include <atomic>
-#include <functional>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 
