@@ -238,13 +238,15 @@ TEST(HookOffload, resident_blocks_stay_and_only_they_stay) {
 
 TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
   // With windows that never overlap between the embedding and the head (prefetch < blocks - 2):
-  // forward fetches every block's window once, backward every window but the merged last block's,
+  // forward fetches every block's window once (with carry_tied, the tied matrix only once: it stays
+  // from the embedding to the head), backward every window but the merged last block's,
   // and every trainable parameter's gradient goes back once. The tied embedding/head goes back in
   // full after the head's backward, and then the embedding's gradient: only the rows of the
   // batch's distinct tokens, with their int64 indices, when those are at most half the
   // vocabulary (vocab 64), else in full again (vocab 8, where 16 tokens touch more than half).
   for (int64_t vocab : {64, 8}) {
     for (int prefetch : {0, 1}) {
+     for (int carry : {0, 1}) {
       auto config = gpt(3, 8);
       config.vocab = vocab;
       auto model = models::build_model(config, 0);
@@ -269,15 +271,17 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
         const int64_t rows = w.size(0), cols = w.numel() / rows;
         ASSERT_EQ(rows, vocab);
         grads += 2 * tokens <= rows ? tokens * (cols * 4 + 8) : rows * cols * 4;
+        if (carry) forward -= w.numel() * 4;  // fetched for the embedding, kept for the head
       }
       ASSERT_EQ(tied, 1) << "the GPT ties its embedding and head";
-      auto s = make_offload({{"prefetch", std::to_string(prefetch)}});
+      auto s = make_offload({{"prefetch", std::to_string(prefetch)}, {"carry_tied", std::to_string(carry)}});
       s->attach(std::move(model));
       s->reset_stats();
       s->train_step(batch);
       const auto stats = s->stats();
       const int64_t inputs = batch.input.nbytes() + batch.target.nbytes();
-      const std::string where = "vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch);
+      const std::string where =
+          "vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch) + " carry_tied=" + std::to_string(carry);
       EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs) << where;
       EXPECT_EQ(stats.bytes_d2h, grads) << where;
       s->optimizer_step();
@@ -287,6 +291,13 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       s->train_step(batch);
       EXPECT_EQ(s->stats().bytes_d2h, vocab == 8 ? once : grads) << where << ", second step";
       s->optimizer_step();
+      // forward() alone moves what train_step's forward does, less the windows the step fetched.
+      s->reset_stats();
+      s->forward(batch.input);
+      const int64_t opened = prefetch > 0 ? opening_bytes(s->model(), prefetch) : 0;  // windows 0 to prefetch
+      EXPECT_EQ(s->stats().bytes_h2d, forward + batch.input.nbytes() - opened)
+          << where << ", forward()";
+     }
     }
   }
 }
@@ -769,6 +780,37 @@ TEST(HookOffload, a_backward_that_fails_between_a_tied_units_uses_leaves_no_part
         << name << ": " << actual[i].second << " against the baseline's " << expected[i].second;
   }
   EXPECT_GE(compared, 4);  // the input layer's two, the shared weight and bias of block 1, the failing block's
+}
+
+// A forward that fails between a shared unit's two uses, while carry_tied keeps it on the device
+// for the second (prefetch 0: the later window is not held yet), must return that reference too:
+// in train_step and in forward(), nothing stays held and the next step runs. Without carry_tied
+// nothing is carried, and the same holds.
+TEST(HookOffload, a_forward_that_fails_between_a_shared_units_uses_keeps_nothing_held) {
+  const auto spec = correctness::ChainSpec::parse("chain(in=4 width=4 classes=3 blocks=shared0,lin,shared0)");
+  for (const char* carry : {"1", "0"}) {
+    auto model = spec.build(0);
+    auto blocks = model.blocks();  // input layer, shared0, lin, shared0, head
+    auto failing = std::make_shared<test::FailingBlock>(4);
+    blocks[2] = failing;
+    auto s = make_offload({{"prefetch", "0"}, {"carry_tied", carry}});
+    s->attach(models::BlockModel(model.config(), blocks));
+    const auto batch = spec.make_batch(3, 1);
+    const std::string where = std::string("carry_tied=") + carry;
+    failing->calls = 0;
+    failing->fail_after = 0;  // the first forward call throws
+    EXPECT_THROW(s->train_step(batch), std::exception) << where;
+    EXPECT_EQ(s->references_held(), 0) << "train_step, " << where;
+    EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "train_step, " << where;
+    failing->calls = 0;
+    EXPECT_THROW(s->forward(batch.input), std::exception) << where;
+    EXPECT_EQ(s->references_held(), 0) << "forward, " << where;
+    EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "forward, " << where;
+    failing->fail_after = -1;
+    EXPECT_TRUE(std::isfinite(s->train_step(batch))) << where;
+    s->optimizer_step();
+    EXPECT_EQ(s->references_held(), 0) << "after a good step, " << where;
+  }
 }
 
 TEST(HookOffload, frozen_parameters_are_never_sent_back) {

@@ -581,6 +581,9 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident") > 0; }), 0.15);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("opening") > 0; }), 0.15);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("lead") > 0; }), 0.15);
+  // Shared units carried between their forward uses (the default) and fetched again.
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") > 0; }), 0.30);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") == 0; }), 0.30);
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it
   // or fetch in the optimizer step; the overlapped optimizer refuses an opening.
   const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);

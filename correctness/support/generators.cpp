@@ -100,8 +100,9 @@ namespace {
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
 // sometimes one block kept resident, a longer lead of the host over the device, or (`with_opening`,
 // plain mode only) a window count fetched by the optimizer step for the next forward, up to one
-// more than the model has; `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own
-// default of 0 and fetches on demand, which is what it is registered to test).
+// more than the model has; shared units carried between their forward uses or fetched again;
+// `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
+// on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
   return [with_prefetch, with_opening](const ModelShape& shape, const std::vector<std::string>&) {
     auto sometimes = [](rc::Gen<int> value) {
@@ -109,8 +110,9 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     };
     const int blocks = static_cast<int>(shape.blocks);
     return rc::gen::apply(
-        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead) {
+        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
+          if (!carry) o["carry_tied"] = "0";
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
           if (resident >= 0) o["resident"] = std::to_string(resident);
           if (opening >= 0) o["opening"] = std::to_string(opening);
@@ -118,7 +120,8 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
-        with_opening ? sometimes(uniform<int>(0, blocks + 2)) : rc::gen::just(-1), sometimes(uniform<int>(0, 4)));
+        with_opening ? sometimes(uniform<int>(0, blocks + 2)) : rc::gen::just(-1), sometimes(uniform<int>(0, 4)),
+        rc::gen::arbitrary<bool>());
   };
 }
 

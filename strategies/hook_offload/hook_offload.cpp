@@ -29,6 +29,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   STRATA_CHECK(activations == "recompute" || activations == "keep",
                "hook_offload: option activations='" << activations << "' is not valid; use recompute or keep");
   o.recompute = activations == "recompute";
+  o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
@@ -84,6 +85,10 @@ struct HookOffload::Unit {
   int64_t rows = 0;
   bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
+  std::vector<int64_t> uses;    ///< the blocks whose windows hold this unit, in forward order
+  /// carry_tied: the block whose window, once held, takes over the reference this unit keeps from
+  /// its previous use in this forward; -1 when it keeps none.
+  int64_t carried_to = -1;
   bool stale = false;           ///< held on the device across an optimizer step: its copy is old
   /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
   /// waits for it. Null when no update is pending.
@@ -157,6 +162,8 @@ void HookOffload::attach_model(models::BlockModel model) {
   }
   for (int64_t b = static_cast<int64_t>(windows_.size()) - 1; b >= 0; --b)
     for (auto u : windows_[b]) units_[u].first_use = b;
+  for (int64_t b = 0; b < static_cast<int64_t>(windows_.size()); ++b)
+    for (auto u : windows_[b]) units_[u].uses.push_back(b);
   by_first_use_.resize(units_.size());
   std::iota(by_first_use_.begin(), by_first_use_.end(), 0);
   std::stable_sort(by_first_use_.begin(), by_first_use_.end(),
@@ -293,13 +300,39 @@ void HookOffload::hold_window(int64_t block) {
     }
   }
   held_[block] = true;
+  // The window holds a reference of its own now: a unit carried here from its previous use lets
+  // the carried one go (the memory stays, the count falls back to the window's).
+  for (auto u : window)
+    if (units_[u].carried_to == block) {
+      units_[u].carried_to = -1;
+      release(units_[u]);
+    }
 }
 
-void HookOffload::drop_window(int64_t block) {
+void HookOffload::drop_window(int64_t block, bool forward) {
   if (!held_[block] || permanent_[block]) return;
+  if (forward && options_.carry_tied) {
+    // A shared unit whose next use in this forward is a window not held yet keeps one reference
+    // until that window is (hold_window hands it over), so it is not released and fetched again.
+    for (auto u : windows_[block]) {
+      auto& unit = units_[u];
+      const auto next = std::upper_bound(unit.uses.begin(), unit.uses.end(), block);
+      if (next == unit.uses.end() || held_[*next] || unit.carried_to >= 0) continue;
+      ++unit.references;
+      unit.carried_to = *next;
+    }
+  }
   held_[block] = false;
   for (auto u : windows_[block]) release(units_[u]);
   releases_.push_back(compute_.record());
+}
+
+void HookOffload::drop_carries() {
+  for (auto& unit : units_)
+    if (unit.carried_to >= 0) {
+      unit.carried_to = -1;
+      release(unit);
+    }
 }
 
 void HookOffload::wait_for_window(int64_t block) {
@@ -335,11 +368,11 @@ void HookOffload::before_compute(int64_t block, bool backward) {
 void HookOffload::after_compute(int64_t block, bool backward) {
   if (!backward && merged(block)) return;  // stays for its backward
   if (options_.debug_release_late) {
-    if (released_late_ >= 0) drop_window(released_late_);
+    if (released_late_ >= 0) drop_window(released_late_, !backward);
     released_late_ = block;
     return;
   }
-  drop_window(block);
+  drop_window(block, !backward);
 }
 
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
@@ -605,6 +638,7 @@ double HookOffload::train_step(const models::Batch& batch) {
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
+    drop_carries();  // a forward that failed before a carried unit's next use
     for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
     released_late_ = -1;
     for (auto& kept : kept_) kept = {};
@@ -660,10 +694,16 @@ torch::Tensor HookOffload::forward(const torch::Tensor& input) {
   torch::NoGradGuard no_grad;
   bytes_h2d_ += input.nbytes();
   auto x = config_.precision.cast_input(input.to(config_.device));
-  for (int64_t b = 0; b < m.num_blocks(); ++b) {
-    before_compute(b, /*backward=*/false);
-    x = m.blocks()[b]->forward(x);
-    drop_window(b);
+  try {
+    for (int64_t b = 0; b < m.num_blocks(); ++b) {
+      before_compute(b, /*backward=*/false);
+      x = m.blocks()[b]->forward(x);
+      drop_window(b, /*forward=*/true);
+    }
+  } catch (...) {
+    drop_carries();
+    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    throw;
   }
   return x;
 }
@@ -835,6 +875,8 @@ static const OptionDocumenter hook_offload_docs(
      {"opening", "auto, 0..",
       "windows from block 0 on that optimizer_step fetches for the next forward beside its host pass (auto: prefetch + 1, "
       "none with prefetch 0; resident ones count, already there; needs overlap_optimizer=0)"},
+     {"carry_tied", "0/1",
+      "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},
@@ -850,7 +892,7 @@ STRATA_REGISTER_STRATEGY("hook_offload",
                          [](const StrategyConfig& c) { return make("hook_offload", c, {}); });
 STRATA_REGISTER_STRATEGY("hook_offload_sync",
                          "hook_offload without prefetch: each block fetched when needed, as seed 003 does",
-                         [](const StrategyConfig& c) { return make("hook_offload_sync", c, {{"prefetch", "0"}}); });
+                         [](const StrategyConfig& c) { return make("hook_offload_sync", c, {{"prefetch", "0"}, {"carry_tied", "0"}}); });
 STRATA_REGISTER_STRATEGY("hook_offload_overlap",
                          "hook_offload with each unit's host optimizer update overlapped with the rest of backward "
                          "and the updates left then with the next step's forward",

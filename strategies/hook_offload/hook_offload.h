@@ -6,10 +6,10 @@
 // soon as a block's backward is done; the optimizer runs on the host, and (without
 // overlap_optimizer) fetches the windows the next forward opens with (blocks 0 to prefetch, or
 // `opening` of them) as soon as their own units are updated, so that forward does not start on an
-// idle link. A tied parameter is one host copy, loaded once per use window by reference count, and
-// receives the sum of its uses' gradients, added on the device as each use's backward ends and sent
-// to the host once, after the last; that fp32 sum stays on the device from the first use's backward
-// to the last's. A matrix used twice (the GPT's embedding and head; plain mode) is summed on the
+// idle link. A tied parameter is one host copy, loaded once per use window by reference count (in
+// a forward kept from one use to the next: carry_tied), and receives the sum of its uses'
+// gradients, added on the device as each use's backward ends and sent to the host once, after the
+// last; that fp32 sum stays on the device from the first use's backward to the last's. A matrix used twice (the GPT's embedding and head; plain mode) is summed on the
 // host instead: the first use's gradient goes down as soon as it exists, hidden behind the rest of
 // backward, and of the last use's only the rows that are not all zero (the tokens the batch looked
 // up) follow, added there. What backward's end waits for is then those rows, not the whole matrix.
@@ -53,6 +53,11 @@ struct HookOffloadOptions {
   /// They stay on the device from the step to their block's forward; where a step's peak is set
   /// elsewhere (a head's backward), holding more at the forward's start costs no peak.
   int64_t opening = -1;
+  /// A unit several blocks share (a tied embedding and head) stays on the device from one of its
+  /// uses in a forward to the next, instead of being released and fetched again: one fetch of it
+  /// fewer a forward, for its bytes held in between. Where the later use is a head whose backward
+  /// sets the step's peak (a GPT's), the peak holds it anyway.
+  bool carry_tied = true;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
@@ -164,7 +169,11 @@ class HookOffload : public Strategy, public WindowedRunner {
   void wait_for(const device::Event& event) const;
   void release(Unit& unit);
   void hold_window(int64_t block);
-  void drop_window(int64_t block);
+  /// `forward`: a forward's own release, after which a shared unit with a later use in this
+  /// forward stays (carry_tied).
+  void drop_window(int64_t block, bool forward = false);
+  /// Returns the references carry_tied kept (a forward that ended early).
+  void drop_carries();
   void wait_for_window(int64_t block);
   void prefetch_from(int64_t block, bool backward);
   /// The windows optimizer_step fetches for the next forward (the `opening` option resolved).
