@@ -335,6 +335,12 @@ void HookOffload::drop_carries() {
     }
 }
 
+void HookOffload::check_no_carries() const {
+  for (const auto& unit : units_)
+    STRATA_CHECK(unit.carried_to < 0, name_ << ": a shared unit was still carried to block " << unit.carried_to
+                                            << " after the forward (internal error)");
+}
+
 void HookOffload::wait_for_window(int64_t block) {
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
@@ -670,6 +676,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     auto target = batch.target.to(config_.device);
     bytes_h2d_ += batch.input.nbytes() + batch.target.nbytes();
     for (int64_t b = 0; b < m.num_blocks(); ++b) x = run_windowed(*this, b, x, anchor_);
+    check_no_carries();
     auto loss = m.loss(x, target);
     x = torch::Tensor();
     scaler_.scaled(loss).backward();
@@ -700,6 +707,7 @@ torch::Tensor HookOffload::forward(const torch::Tensor& input) {
       x = m.blocks()[b]->forward(x);
       drop_window(b, /*forward=*/true);
     }
+    check_no_carries();
   } catch (...) {
     drop_carries();
     for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);

@@ -174,6 +174,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   void drop_window(int64_t block, bool forward = false);
   /// Returns the references carry_tied kept (a forward that ended early).
   void drop_carries();
+  /// Every carry ends in its forward (its next use is a later block of it): an Error if one did not.
+  void check_no_carries() const;
   void wait_for_window(int64_t block);
   void prefetch_from(int64_t block, bool backward);
   /// The windows optimizer_step fetches for the next forward (the `opening` option resolved).
