@@ -55,7 +55,26 @@ def main():
                          "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1},
                         {"name": "fsdp2[ranks=2]/gpt-871m", "real_time": 200.0, "fwd_bwd_ms": 180.0,
                          "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1}])
+    # A host pass of 28 B x 1e9 parameters in 350 ms runs at 80 GB/s: beside a triad measured at 50
+    # its floor is that pass (350 ms), not the triad's 560; beside a triad of 100, the triad's 280.
+    # The host is one for the run, so another model's floor uses that rate too.
+    def host_run(triad):
+        return report({"strata_device": "cuda:0", "peak_tflops": 400, "host_triad_GBps": triad},
+                      [cell("hook_offload", "gpt-871m", real_time=650.0, fwd_bwd_ms=300.0, optimizer_ms=350.0,
+                            host_update_ms=350.0, parameters=1e9, optimizer_on_host=1, peak_allocated_bytes=2**30),
+                       # another model's slower pass (60 GB/s): its floor too is at the run's fastest
+                       cell("hook_offload", "gpt-medium", real_time=70.0, fwd_bwd_ms=20.0, optimizer_ms=50.0,
+                            host_update_ms=2.8e3 / 60, parameters=1e8, optimizer_on_host=1, peak_allocated_bytes=2**30)])
+    low_triad, high_triad = host_run(50.0), host_run(100.0)
     checks = [
+        ("a triad below the run's own host pass: the floor is that pass",
+         "| hook_offload | 1,000,000,000 | 350.0 | 350.0 | 80.0 | 300.0 | 350.0 | 650.0 | 1.86 |" in low_triad
+         and "80.0 GB/s, the fastest host pass of this run" in low_triad),
+        ("the fastest pass of the whole run, not of one model",
+         "| hook_offload | 100,000,000 | 35.0 | 46.7 | 60.0 | 20.0 | 35.0 | 70.0 | 2.00 |" in low_triad),
+        ("a triad above it: the floor is the triad's",
+         "| hook_offload | 1,000,000,000 | 280.0 | 350.0 | 80.0 | 300.0 | 300.0 | 650.0 | 2.17 |" in high_triad
+         and "triad 100.0 GB/s" in high_triad),
         ("CPU memory from the strategies' accounting, in KiB", "peak resident params KiB (strategy accounting)" in cpu),
         ("CPU values that differ, not 0.00", "| 107.50 |" in cpu and "| 49.62 |" in cpu),
         ("CPU transfers in kB per step", "H2D kB/step" in cpu and "234.10" in cpu),
@@ -70,7 +89,8 @@ def main():
     for what, ok in checks:
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
     if failed:
-        print("--- CPU report ---\n" + cpu + "\n--- GPU report ---\n" + gpu)
+        print("--- CPU report ---\n" + cpu + "\n--- GPU report ---\n" + gpu + "\n--- host reports ---\n" + low_triad
+              + "\n" + high_triad)
     return 1 if failed else 0
 
 
