@@ -132,6 +132,8 @@ def peer_named(kind, peers):
         return int(m.group(1)) if m else 0
     named = [k for k in peers if k.startswith(kind + "[") and re.search(r"[\[;]ranks=1[;\]]", k)]
     return min(named, key=micro_batches, default=None)
+
+
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 # A deferring cell's forward holds waits for the host: its device work is measured by its twin that
 # does not defer (same fetches, same compute).
@@ -165,19 +167,25 @@ def host_busy_ms(r):
     return r.get("host_update_ms") or (None if deferred(r) else r["optimizer_ms"])
 
 
+def host_pass_GBps(r):
+    """The rate of a host-stepped cell's optimizer pass (None when its host time is unknown)."""
+    busy = host_busy_ms(r)
+    return host_bytes_per_param(r) * r["parameters"] / (busy / 1e3) / 1e9 if busy else None
+
+
 def fastest_host_pass_GBps(rows):
     """The highest rate any host optimizer pass of the run reached, over every model: the host's
     memory bandwidth is at least that."""
-    rates = [host_bytes_per_param(r) * r["parameters"] / (host_busy_ms(r) / 1e3) / 1e9 for r in rows
-             if r["source"] == "strata" and not r["failed"] and r.get("optimizer_on_host") and r.get("parameters")
-             and host_busy_ms(r)]
-    return max(rates, default=0.0)
+    rates = [host_pass_GBps(r) for r in rows
+             if r["source"] == "strata" and not r["failed"] and r.get("optimizer_on_host") and r.get("parameters")]
+    return max((x for x in rates if x), default=0.0)
 
 
 def reference_speed(rs, peers, triad, fastest=0.0):
     mine = {plain(r["strategy"]): r for r in rs if r["source"] == "strata" and not r["failed"]}
     out = []
-    pairs = [(a, peer_named(b, peers), t) for a, b, t in REFERENCE_PAIRS if a in mine and peer_named(b, peers)]
+    named = [(a, peer_named(b, peers), t) for a, b, t in REFERENCE_PAIRS if a in mine]
+    pairs = [(a, b, t) for a, b, t in named if b]
     if pairs:
         out.append("\nReference speed, forward+backward against PyTorch's (target: at or below the ratio shown):\n")
         out.append("| strata | PyTorch | strata ms | PyTorch ms | ratio | target | |\n|---|---|---:|---:|---:|---:|---|")
@@ -214,7 +222,7 @@ def reference_speed(rs, peers, triad, fastest=0.0):
             else:
                 device = r["fwd_bwd_ms"]
             floor = max(device or 0.0, host_ms)
-            rate = f"{nbytes * r['parameters'] / (busy / 1e3) / 1e9:.1f}" if busy else "—"
+            rate = f"{host_pass_GBps(r):.1f}" if busy else "—"
             out.append(f"| {r['strategy']} | {r['parameters']:,.0f} | {host_ms:.1f} | "
                        f"{f'{busy:.1f}' if busy else '—'} | {rate} | {f'{device:.1f}' if device else '—'} | "
                        f"{floor:.1f} | {r['real_time']:.1f} | {r['real_time'] / floor:.2f} |")

@@ -158,12 +158,11 @@ void HookOffload::attach_model(models::BlockModel model) {
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u].params = std::move(plan.units[u]);
     units_[u].users = plan.users[u];
-    units_[u].first_use = static_cast<int64_t>(windows_.size());
   }
-  for (int64_t b = static_cast<int64_t>(windows_.size()) - 1; b >= 0; --b)
-    for (auto u : windows_[b]) units_[u].first_use = b;
   for (int64_t b = 0; b < static_cast<int64_t>(windows_.size()); ++b)
     for (auto u : windows_[b]) units_[u].uses.push_back(b);
+  for (auto& unit : units_)
+    unit.first_use = unit.uses.empty() ? static_cast<int64_t>(windows_.size()) : unit.uses.front();
   by_first_use_.resize(units_.size());
   std::iota(by_first_use_.begin(), by_first_use_.end(), 0);
   std::stable_sort(by_first_use_.begin(), by_first_use_.end(),
@@ -327,12 +326,13 @@ void HookOffload::drop_window(int64_t block, bool forward) {
   releases_.push_back(compute_.record());
 }
 
-void HookOffload::drop_carries() {
+void HookOffload::drop_all_windows() {
   for (auto& unit : units_)
-    if (unit.carried_to >= 0) {
+    if (unit.carried_to >= 0) {  // a forward that failed before a carried unit's next use
       unit.carried_to = -1;
       release(unit);
     }
+  for (int64_t b = 0; b < static_cast<int64_t>(windows_.size()); ++b) drop_window(b);
 }
 
 void HookOffload::check_no_carries() const {
@@ -644,8 +644,7 @@ double HookOffload::train_step(const models::Batch& batch) {
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
-    drop_carries();  // a forward that failed before a carried unit's next use
-    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    drop_all_windows();
     released_late_ = -1;
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
@@ -709,8 +708,7 @@ torch::Tensor HookOffload::forward(const torch::Tensor& input) {
     }
     check_no_carries();
   } catch (...) {
-    drop_carries();
-    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
+    drop_all_windows();
     throw;
   }
   return x;

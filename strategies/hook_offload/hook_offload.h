@@ -9,12 +9,13 @@
 // idle link. A tied parameter is one host copy, loaded once per use window by reference count (in
 // a forward kept from one use to the next: carry_tied), and receives the sum of its uses'
 // gradients, added on the device as each use's backward ends and sent to the host once, after the
-// last; that fp32 sum stays on the device from the first use's backward to the last's. A matrix used twice (the GPT's embedding and head; plain mode) is summed on the
-// host instead: the first use's gradient goes down as soon as it exists, hidden behind the rest of
-// backward, and of the last use's only the rows that are not all zero (the tokens the batch looked
-// up) follow, added there. What backward's end waits for is then those rows, not the whole matrix.
-// (Only in a step's first micro-batch, so accumulated ones still add up in autograd's order; and a
-// unit whose last use touched more than half its rows goes back to the device sum for good.)
+// last; that fp32 sum stays on the device from the first use's backward to the last's. A matrix
+// used twice (the GPT's embedding and head; plain mode) is summed on the host instead: the first
+// use's gradient goes down as soon as it exists, hidden behind the rest of backward, and of the
+// last use's only the rows that are not all zero (the tokens the batch looked up) follow, added
+// there. What backward's end waits for is then those rows, not the whole matrix. (Only in a step's
+// first micro-batch, so accumulated ones still add up in autograd's order; and a unit whose last
+// use touched more than half its rows goes back to the device sum for good.)
 //
 // LibTorch modules have no hooks, so each block runs inside the per-block autograd function of
 // strategies/windowed.h, which asks this strategy for load, compute, recompute and release.
@@ -172,8 +173,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// `forward`: a forward's own release, after which a shared unit with a later use in this
   /// forward stays (carry_tied).
   void drop_window(int64_t block, bool forward = false);
-  /// Returns the references carry_tied kept (a forward that ended early).
-  void drop_carries();
+  /// Lets every window go but the resident ones, and the references carry_tied kept (a forward or
+  /// step that ended early).
+  void drop_all_windows();
   /// Every carry ends in its forward (its next use is a later block of it): an Error if one did not.
   void check_no_carries() const;
   void wait_for_window(int64_t block);
