@@ -98,13 +98,37 @@ int64_t opening_bytes(const models::BlockModel& m, int64_t last) {
   return n;
 }
 
+// opening=auto resolved by the last optimizer_step: prefetch + 1 windows, none with prefetch=0.
+// Returns the bytes the opening holds.
+int64_t expect_auto_opening(const HookOffload& s, const models::BlockModel& model, int64_t prefetch,
+                            const std::string& where) {
+  EXPECT_EQ(s.last_opening(), prefetch > 0 ? std::min(prefetch + 1, model.num_blocks()) : 0) << where;
+  return s.last_opening() > 0 ? opening_bytes(model, s.last_opening() - 1) : 0;
+}
+
+// The arithmetic of opening=fit: the floor always, then windows while their bytes, summed from
+// window 0, fit in the budget; a window that adds nothing (its units held already) is free.
+TEST(HookOffload, a_fitted_opening_takes_its_floor_then_the_windows_that_fit) {
+  const std::vector<int64_t> ten{10, 10, 10, 10};
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 0), 2);
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, -50), 2) << "a budget below zero keeps the floor";
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 29), 2);
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 30), 3);
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 0, 25), 2);
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 1000), 4) << "no more than the model has";
+  EXPECT_EQ(HookOffload::fit_opening_windows(ten, 9, 0), 4) << "a floor above the model's windows";
+  EXPECT_EQ(HookOffload::fit_opening_windows({40, 0, 10, 10}, 1, 50), 3) << "window 1 adds nothing";
+  EXPECT_EQ(HookOffload::fit_opening_windows({40, 0, 10, 10}, 1, 39), 1)
+      << "over budget from the floor on: nothing more, not even a window that adds nothing";
+  EXPECT_EQ(HookOffload::fit_opening_windows({}, 3, 100), 0);
+}
+
 TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_and_step) {
   for (const char* activations : {"recompute", "keep"}) {
     for (int prefetch : {0, 1, 3}) {
       auto s = make_offload({{"prefetch", std::to_string(prefetch)}, {"activations", activations}});
       const auto config = gpt(3, 16);
       const auto model = models::build_model(config, 0);
-      const int64_t opening = prefetch > 0 ? opening_bytes(model, std::min<int64_t>(prefetch, model.num_blocks() - 1)) : 0;
       s->attach(models::build_model(config, 0));
       const auto dev = test::device();
       const auto batch = models::make_batch(config, 2, 1);
@@ -132,6 +156,7 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
       }
       s->optimizer_step();
       // Only the windows the next forward opens with, fetched ahead (none without prefetch).
+      const int64_t opening = expect_auto_opening(*s, model, prefetch, where);
       EXPECT_EQ(s->offloaded_bytes_on_device(), opening) << "after the step, " << where;
       s->forward(batch.input);
       EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << "after the step and a forward, " << where;
@@ -156,7 +181,7 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
   for (int prefetch : {0, 1, 2}) {
     for (const char* overlap : {"0", "1"}) {
       const std::string where = "prefetch=" + std::to_string(prefetch) + " overlap_optimizer=" + overlap;
-      const int64_t expected = prefetch > 0 && std::string(overlap) == "0" ? opening_bytes(model, prefetch) : 0;
+      const bool plain = std::string(overlap) == "0";
       auto options = std::map<std::string, std::string>{{"prefetch", std::to_string(prefetch)},
                                                         {"overlap_optimizer", overlap}};
       auto s = make_offload(options);
@@ -167,6 +192,10 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
       s->reset_stats();
       s->optimizer_step();
       s->finish_step();
+      const int64_t expected = plain ? expect_auto_opening(*s, model, prefetch, where) : 0;
+      if (!plain) {
+        EXPECT_EQ(s->last_opening(), 0) << where;
+      }
       EXPECT_EQ(s->stats().bytes_h2d, expected) << where;
       EXPECT_EQ(s->offloaded_bytes_on_device(), expected) << where;
       s->reset_stats();
@@ -294,7 +323,7 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       // forward() alone moves what train_step's forward does, less the windows the step fetched.
       s->reset_stats();
       s->forward(batch.input);
-      const int64_t opened = prefetch > 0 ? opening_bytes(s->model(), prefetch) : 0;  // windows 0 to prefetch
+      const int64_t opened = expect_auto_opening(*s, s->model(), prefetch, where);
       EXPECT_EQ(s->stats().bytes_h2d, forward + batch.input.nbytes() - opened)
           << where << ", forward()";
      }
@@ -432,6 +461,57 @@ TEST(CudaOnly, hook_offload_lead_keeps_more_released_windows_pending_on_the_devi
       << "lead=3 reserved no more than lead=1 (window " << W << " bytes): the host did not run further ahead";
 }
 
+// opening=fit on an asynchronous device. A GPT whose wide head sets backward's peak (its logits):
+// windows beyond prefetch + 1 fit in that memory, are fetched in the step, and the next step's
+// peak allocated is no higher than with the opening at prefetch + 1. An MLP whose activations are
+// tiny next to its windows: what it holds at the forward's start must not go past backward's peak
+// either (an opening of every window would, by five windows).
+TEST(CudaOnly, hook_offload_fitted_opening_fills_what_backward_used_and_no_more) {
+  const auto dev = test::device();
+  ASSERT_TRUE(dev.is_cuda()) << "CudaOnly tests need --device=cuda";
+  struct Seen {
+    int64_t opening = 0, peak = 0;
+  };
+  auto run = [&](const models::ModelConfig& c, int64_t batch_size, const std::string& opening) {
+    const auto batch = models::make_batch(c, batch_size, 1);
+    auto s = make_offload({{"prefetch", "1"}, {"opening", opening}});
+    s->attach(models::build_model(c, 0));
+    for (int step = 0; step < 2; ++step) {  // the second step's opening comes from a backward seen
+      s->train_step(batch);
+      s->optimizer_step();
+    }
+    device::synchronize(dev);
+    s->reset_stats();
+    s->train_step(batch);
+    s->finish_backward();
+    device::synchronize(dev);
+    Seen seen{s->last_opening(), s->stats().devices.at(dev.str()).peak_allocated};
+    s->optimizer_step();
+    return seen;
+  };
+  const int64_t slack = 1 << 20;  // allocation rounding; a window here is 3 MiB or more
+  auto g = models::preset("gpt-tiny").config;
+  g.depth = 6;
+  g.width = 256;
+  g.vocab = 16384;
+  g.seq_len = 128;
+  const auto gpt_fixed = run(g, 8, "auto"), gpt_fit = run(g, 8, "fit");
+  EXPECT_GT(gpt_fit.opening, 2) << "the GPT's head left room for more windows at the forward's start";
+  EXPECT_LE(gpt_fit.peak, gpt_fixed.peak + slack)
+      << "opening=" << gpt_fit.opening << " raised the GPT's peak from " << gpt_fixed.peak;
+  models::ModelConfig m;
+  m.kind = models::ModelKind::mlp;
+  m.depth = 8;
+  m.width = m.in_features = m.classes = 1024;
+  m.tied = false;
+  const auto mlp_fixed = run(m, 2, "auto"), mlp_fit = run(m, 2, "fit");
+  EXPECT_GE(mlp_fit.opening, 2);
+  EXPECT_LE(mlp_fit.peak, mlp_fixed.peak + slack)
+      << "opening=" << mlp_fit.opening << " raised the MLP's peak from " << mlp_fixed.peak;
+  const auto mlp_all = run(m, 2, "99");
+  EXPECT_GT(mlp_all.peak, mlp_fixed.peak + slack) << "an opening of every window should show in the MLP's peak";
+}
+
 TEST(HookOffload, forward_only_streams_and_matches_the_baseline) {
   const auto config = gpt(3, 16);
   const auto batch = models::make_batch(config, 2, 1);
@@ -541,6 +621,8 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"opening", "3x"}}), HasSubstr("opening='3x'"));
   EXPECT_THAT(error_of({{"opening", "99999999999999999999"}}), HasSubstr("opening='99999999999999999999'"));
   EXPECT_THAT(error_of({{"opening", "2"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=2 needs overlap_optimizer=0"));
+  EXPECT_THAT(error_of({{"opening", "fit"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=fit needs overlap_optimizer=0"));
+  EXPECT_THAT(error_of({{"opening", "fits"}}), HasSubstr("opening='fits'"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));

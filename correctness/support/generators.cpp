@@ -100,7 +100,8 @@ namespace {
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
 // sometimes one block kept resident, a longer lead of the host over the device, or (`with_opening`,
 // plain mode only) a window count fetched by the optimizer step for the next forward, up to one
-// more than the model has; shared units carried between their forward uses or fetched again;
+// more than the model has, or `fit` (as many as the device memory of the last backward holds);
+// shared units carried between their forward uses or fetched again;
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -109,18 +110,21 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
       return rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, std::move(value)}});
     };
     const int blocks = static_cast<int>(shape.blocks);
+    constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
           if (resident >= 0) o["resident"] = std::to_string(resident);
-          if (opening >= 0) o["opening"] = std::to_string(opening);
+          if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
-        with_opening ? sometimes(uniform<int>(0, blocks + 2)) : rc::gen::just(-1), sometimes(uniform<int>(0, 4)),
+        with_opening ? sometimes(rc::gen::weightedOneOf<int>({{3, uniform<int>(0, blocks + 2)}, {1, rc::gen::just(kFit)}}))
+                     : rc::gen::just(-1),
+        sometimes(uniform<int>(0, 4)),
         rc::gen::arbitrary<bool>());
   };
 }

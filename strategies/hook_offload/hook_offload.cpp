@@ -20,10 +20,12 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.prefetch = reader.get_int("prefetch", o.prefetch);
   o.lead = reader.get_int("lead", o.lead);
   const auto opening = reader.get_string("opening", "auto");
-  if (opening != "auto") {
+  if (opening == "fit") {
+    o.opening = HookOffloadOptions::kOpeningFit;
+  } else if (opening != "auto") {
     o.opening = reader.get_int("opening", o.opening);  // an Error names a value that is not an integer
-    STRATA_CHECK(o.opening >= 0,
-                 "hook_offload: option opening='" << opening << "' is not valid; use auto or a window count, 0 or more");
+    STRATA_CHECK(o.opening >= 0, "hook_offload: option opening='"
+                                     << opening << "' is not valid; use auto, fit or a window count, 0 or more");
   }
   const auto activations = reader.get_string("activations", "recompute");
   STRATA_CHECK(activations == "recompute" || activations == "keep",
@@ -45,11 +47,14 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
 void HookOffloadOptions::validate() const {
   STRATA_CHECK(prefetch >= 0, "hook_offload: prefetch=" << prefetch << " must be 0 (synchronous) or more");
   STRATA_CHECK(lead >= 0, "hook_offload: lead=" << lead << " must be 0 (wait for each released window's compute) or more");
-  STRATA_CHECK(opening >= -1, "hook_offload: opening=" << opening << " must be -1 (auto) or a window count, 0 or more");
+  STRATA_CHECK(opening >= kOpeningFit,
+               "hook_offload: opening=" << opening << " must be -1 (auto), -2 (fit) or a window count, 0 or more");
   // The overlapped optimizer fetches nothing in optimizer_step (its updates finish under the next
   // forward, whose own fetches wait for them): an opening there would be silently ignored.
-  STRATA_CHECK(opening < 0 || !overlap_optimizer,
-               "hook_offload: opening=" << opening << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in optimizer_step)");
+  STRATA_CHECK(opening == kOpeningAuto || !overlap_optimizer,
+               "hook_offload: opening=" << (opening == kOpeningFit ? std::string("fit") : std::to_string(opening))
+                                        << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
+                                           "optimizer_step)");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
 }
 
@@ -358,20 +363,58 @@ void HookOffload::prefetch_from(int64_t block, bool backward) {
   }
 }
 
+int64_t HookOffload::fit_opening_windows(const std::vector<int64_t>& new_bytes, int64_t floor, int64_t budget) {
+  const auto n = static_cast<int64_t>(new_bytes.size());
+  int64_t k = 0, used = 0;
+  for (; k < n; ++k) {
+    used += new_bytes[k];
+    if (k >= floor && used > budget) break;
+  }
+  return k;
+}
+
 int64_t HookOffload::opening_windows() const {
   const auto n = static_cast<int64_t>(windows_.size());
   if (options_.opening >= 0) return std::min(options_.opening, n);
-  return options_.prefetch > 0 ? std::min(options_.prefetch + 1, n) : 0;
+  const int64_t floor = options_.prefetch > 0 ? std::min(options_.prefetch + 1, n) : 0;
+  if (options_.opening == HookOffloadOptions::kOpeningAuto) return floor;
+  // fit: the device memory backward was seen using, less what is in use now (resident windows, the
+  // caller's tensors), less one window of headroom for the first block's own activations: windows
+  // that fit there are held at the forward's start without going past what backward held already.
+  // Backward is sampled at its block boundaries only, so the estimate errs low.
+  const int64_t now = device::allocator_stats(config_.device).allocated;
+  std::vector<int64_t> new_bytes(n, 0);
+  std::vector<bool> counted(units_.size(), false);
+  int64_t largest = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    int64_t window = 0;
+    for (auto u : windows_[b]) {
+      window += units_[u].bytes;
+      if (units_[u].references > 0 || counted[u]) continue;
+      counted[u] = true;
+      new_bytes[b] += units_[u].bytes;
+    }
+    largest = std::max(largest, window);
+  }
+  const int64_t budget = backward_seen_bytes_ > 0 ? backward_seen_bytes_ - now - largest : 0;
+  return fit_opening_windows(new_bytes, floor, budget);
+}
+
+void HookOffload::sample_backward_memory() {
+  backward_seen_bytes_ = std::max(backward_seen_bytes_, device::allocator_stats(config_.device).allocated);
 }
 
 void HookOffload::before_compute(int64_t block, bool backward) {
   hold_window(block);
   prefetch_from(block, backward);  // queued behind this block's fetch, overlapping its compute
+  if (backward && options_.opening == HookOffloadOptions::kOpeningFit) sample_backward_memory();
   wait_for_window(block);
   compute_.compute_point();
 }
 
 void HookOffload::after_compute(int64_t block, bool backward) {
+  // opening=fit: the block's window and gradients are still held.
+  if (backward && options_.opening == HookOffloadOptions::kOpeningFit) sample_backward_memory();
   if (!backward && merged(block)) return;  // stays for its backward
   if (options_.debug_release_late) {
     if (released_late_ >= 0) drop_window(released_late_, !backward);
@@ -641,6 +684,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     unit.pending_users = unit.users;
     unit.first_use_sent = false;
   }
+  backward_seen_bytes_ = 0;  // this step's backward sets the next opening's budget (opening=fit)
   // Whatever a failed step left held (windows, kept graphs, the overlap bookkeeping) must not stay:
   // the strategy stays usable after an error such as running out of memory.
   auto clean_up = [&](bool failed) {
@@ -755,6 +799,7 @@ void HookOffload::optimizer_step() {
     // their copies run beside the rest of this pass, while the link is otherwise idle, and not at
     // the forward's start. (Queuing them, allocation included, counts in host_update_ms.)
     const auto opening = opening_windows();
+    last_opening_ = opening;
     int64_t next_window = 0;
     auto fetch_windows_through = [&](int64_t last) {
       for (; next_window < opening && next_window <= last; ++next_window) {
@@ -878,9 +923,10 @@ static const OptionDocumenter hook_offload_docs(
     {"hook_offload", "hook_offload_sync", "hook_offload_overlap"},
     {{"prefetch", "0..", "blocks fetched ahead of the one computing"},
      {"lead", "0..", "released windows whose compute may still be pending when the host fetches another"},
-     {"opening", "auto, 0..",
+     {"opening", "auto, fit, 0..",
       "windows from block 0 on that optimizer_step fetches for the next forward beside its host pass (auto: prefetch + 1, "
-      "none with prefetch 0; resident ones count, already there; needs overlap_optimizer=0)"},
+      "none with prefetch 0; fit: that, and more while they fit in the device memory the last backward used; resident "
+      "ones count, already there; needs overlap_optimizer=0)"},
      {"carry_tied", "0/1",
       "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},

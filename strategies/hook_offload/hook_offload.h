@@ -49,11 +49,17 @@ struct HookOffloadOptions {
   int64_t lead = 1;
   /// Windows, from block 0 on, that optimizer_step fetches for the next forward (needs
   /// overlap_optimizer=0), each as soon as its units are updated, so their copies run beside the
-  /// host pass and not at the forward's start; -1 (auto): prefetch + 1, none with prefetch=0.
-  /// Resident windows count and are already there. More than the model has: all.
-  /// They stay on the device from the step to their block's forward; where a step's peak is set
-  /// elsewhere (a head's backward), holding more at the forward's start costs no peak.
-  int64_t opening = -1;
+  /// host pass and not at the forward's start. Resident windows count and are already there. More
+  /// than the model has: all. They stay on the device from the step to their block's forward.
+  /// kOpeningAuto: prefetch + 1 (what backward holds at every block, so never more than a step
+  /// holds anyway), none with prefetch=0. kOpeningFit: that, and more windows while their bytes
+  /// fit in the device memory the last backward was seen using beyond what is in use when the
+  /// opening starts, less one window of headroom (fit_opening_windows); where a step's peak is set
+  /// in backward (a head's), those cost no peak allocated, but they move their copies into the
+  /// host pass, which they slow (bench/NOTES.md, "The opening sized by what backward used"). The
+  /// CPU reports no device memory: fit is auto there.
+  static constexpr int64_t kOpeningAuto = -1, kOpeningFit = -2;
+  int64_t opening = kOpeningAuto;
   /// A unit several blocks share (a tied embedding and head) stays on the device from one of its
   /// uses in a forward to the next, instead of being released and fetched again: one fetch of it
   /// fewer a forward, for its bytes held in between. Where the later use is a head whose backward
@@ -103,8 +109,16 @@ class HookOffload : public Strategy, public WindowedRunner {
   void reset_stats() override;
 
   /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
-  /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows (0 to prefetch by default).
+  /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows.
   int64_t offloaded_bytes_on_device() const;
+  /// The windows the last optimizer_step fetched for the next forward (or found resident); 0
+  /// before the first.
+  int64_t last_opening() const { return last_opening_; }
+  /// opening=fit: how many windows, from block 0 on, the opening holds. `new_bytes[k]`: the device
+  /// bytes window k adds to windows 0 to k-1 (0 for units held already or in an earlier window).
+  /// At least `floor` (capped at the model's windows); beyond it, windows while the sum of their
+  /// bytes stays within `budget`.
+  static int64_t fit_opening_windows(const std::vector<int64_t>& new_bytes, int64_t floor, int64_t budget);
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
   /// True while gradients are still on their way to the host: a copy queued, or a later
@@ -180,8 +194,11 @@ class HookOffload : public Strategy, public WindowedRunner {
   void check_no_carries() const;
   void wait_for_window(int64_t block);
   void prefetch_from(int64_t block, bool backward);
-  /// The windows optimizer_step fetches for the next forward (the `opening` option resolved).
+  /// The windows optimizer_step fetches for the next forward (the `opening` option resolved;
+  /// fit from the device memory in use now and backward_seen_bytes_).
   int64_t opening_windows() const;
+  /// Notes the device memory in use at a point of backward (opening=fit's budget).
+  void sample_backward_memory();
   void finish_pending();
   bool merged(int64_t block) const;
   /// What travels to the device for a unit: its host copy in the transfer dtype.
@@ -219,6 +236,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::shared_ptr<const device::Gate> update_hold_, step_update_hold_;  ///< hold_updates
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
+  int64_t backward_seen_bytes_ = 0;  ///< the most device memory allocated at a backward hook this step
+  int64_t last_opening_ = 0;         ///< last_opening()
   std::atomic<int64_t> fetches_behind_updates_{0};  ///< Stats::fetches_behind_host_updates
   std::atomic<int64_t> host_update_ns_{0};          ///< Stats::host_update_ms
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
