@@ -123,6 +123,47 @@ TEST(HookOffload, a_fitted_opening_takes_its_floor_then_the_windows_that_fit) {
   EXPECT_EQ(HookOffload::fit_opening_windows({}, 3, 100), 0);
 }
 
+// opening=fit's budget, with the device memory read from a probe the test sets: backward's reading
+// less what is in use when the step opens, less the largest window (a transformer block's). The
+// expected counts come from the model's parameter bytes: windows 0 to k need opening_bytes(k),
+// the tied matrix counted once, a resident window's bytes not at all.
+TEST(HookOffload, a_fitted_opening_is_sized_by_backwards_reading_less_what_is_in_use_and_a_window) {
+  const auto config = gpt(3, 16);
+  const auto model = models::build_model(config, 0);
+  const auto batch = models::make_batch(config, 2, 1);
+  const int64_t n = model.num_blocks(), backward = int64_t{1} << 30;
+  int64_t largest = 0;
+  for (int64_t b = 0; b < n; ++b) largest = std::max(largest, window_bytes(model, b));
+  ASSERT_EQ(n, 5);
+  // The windows the step opens with when the budget left for them is `budget`.
+  auto opened = [&](const std::map<std::string, std::string>& extra, int64_t budget) {
+    auto options = extra;
+    options["prefetch"] = "1";  // floor: 2 windows
+    options["opening"] = "fit";
+    auto s = make_offload(options);
+    s->attach(models::build_model(config, 0));
+    int64_t in_use = backward;
+    s->read_device_memory_with([&] { return in_use; });
+    s->train_step(batch);
+    in_use = backward - largest - budget;  // read once the step opens
+    s->optimizer_step();
+    return s->last_opening();
+  };
+  for (int64_t k : {2, 3}) {  // windows 0 to k
+    EXPECT_EQ(opened({}, opening_bytes(model, k)), k + 1) << "budget of windows 0 to " << k;
+    EXPECT_EQ(opened({}, opening_bytes(model, k) - 1), k) << "a byte short of windows 0 to " << k;
+  }
+  // The head's window shares the tied matrix with window 0: it adds only its own parameters.
+  EXPECT_EQ(opened({}, opening_bytes(model, 4)), 5);
+  EXPECT_EQ(opened({}, opening_bytes(model, 4) - 1), 4);
+  // A resident window is on the device already: it costs the opening nothing.
+  const int64_t resident = window_bytes(model, 1);
+  EXPECT_EQ(opened({{"resident", "1"}}, opening_bytes(model, 3) - resident), 4);
+  EXPECT_EQ(opened({{"resident", "1"}}, opening_bytes(model, 3) - resident - 1), 3);
+  // Below the floor, the floor.
+  EXPECT_EQ(opened({}, 0), 2);
+}
+
 TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_and_step) {
   for (const char* activations : {"recompute", "keep"}) {
     for (int prefetch : {0, 1, 3}) {
@@ -504,11 +545,10 @@ TEST(CudaOnly, hook_offload_fitted_opening_fills_what_backward_used_and_no_more)
   m.depth = 8;
   m.width = m.in_features = m.classes = 1024;
   m.tied = false;
-  const auto mlp_fixed = run(m, 2, "auto"), mlp_fit = run(m, 2, "fit");
-  EXPECT_GE(mlp_fit.opening, 2);
+  const auto mlp_fixed = run(m, 2, "auto"), mlp_fit = run(m, 2, "fit"), mlp_all = run(m, 2, "99");
+  EXPECT_LT(mlp_fit.opening, mlp_all.opening) << "fit opened every window of the MLP";
   EXPECT_LE(mlp_fit.peak, mlp_fixed.peak + slack)
       << "opening=" << mlp_fit.opening << " raised the MLP's peak from " << mlp_fixed.peak;
-  const auto mlp_all = run(m, 2, "99");
   EXPECT_GT(mlp_all.peak, mlp_fixed.peak + slack) << "an opening of every window should show in the MLP's peak";
 }
 
@@ -862,6 +902,34 @@ TEST(HookOffload, a_backward_that_fails_between_a_tied_units_uses_leaves_no_part
         << name << ": " << actual[i].second << " against the baseline's " << expected[i].second;
   }
   EXPECT_GE(compared, 4);  // the input layer's two, the shared weight and bias of block 1, the failing block's
+}
+
+// A backward that fails (here in a block's recompute) sizes no opening: what it was seen using may
+// be what ran out. The same probe after a step that completes opens every window.
+TEST(HookOffload, a_failed_backward_sizes_no_fitted_opening) {
+  const auto spec = correctness::ChainSpec::parse("chain(in=4 width=4 classes=3 blocks=shared0,lin,shared0)");
+  auto model = spec.build(0);
+  auto blocks = model.blocks();  // input layer, shared0, lin, shared0, head
+  auto failing = std::make_shared<test::FailingBlock>(4);
+  blocks[2] = failing;
+  auto s = make_offload({{"prefetch", "1"}, {"opening", "fit"}});
+  s->attach(models::BlockModel(model.config(), blocks));
+  int64_t in_use = int64_t{1} << 30;
+  s->read_device_memory_with([&] { return in_use; });
+  const auto batch = spec.make_batch(3, 1);
+  failing->calls = 0;
+  failing->fail_after = 1;  // its forward runs; its recompute in backward throws
+  EXPECT_THROW(s->train_step(batch), std::exception);
+  in_use = 0;
+  s->optimizer_step();
+  EXPECT_EQ(s->last_opening(), 2) << "the failed backward's reading sized the opening";
+  failing->fail_after = -1;
+  s->forward(batch.input);  // lets the opening go
+  in_use = int64_t{1} << 30;
+  s->train_step(batch);
+  in_use = 0;
+  s->optimizer_step();
+  EXPECT_EQ(s->last_opening(), 5) << "after a backward that completed";
 }
 
 // A forward that fails between a shared unit's two uses, while carry_tied keeps it on the device

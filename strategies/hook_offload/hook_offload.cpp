@@ -379,10 +379,13 @@ int64_t HookOffload::opening_windows() const {
   const int64_t floor = options_.prefetch > 0 ? std::min(options_.prefetch + 1, n) : 0;
   if (options_.opening == HookOffloadOptions::kOpeningAuto) return floor;
   // fit: the device memory backward was seen using, less what is in use now (resident windows, the
-  // caller's tensors), less one window of headroom for the first block's own activations: windows
-  // that fit there are held at the forward's start without going past what backward held already.
-  // Backward is sampled at its block boundaries only, so the estimate errs low.
-  const int64_t now = device::allocator_stats(config_.device).allocated;
+  // caller's tensors), less one window of headroom for the first block's own activations. Windows
+  // that fit there are held at the forward's start, and none is taken with no backward seen (the
+  // CPU, a first step, a step that failed). A heuristic: backward is sampled at its block
+  // boundaries only, so it errs low, but a first block whose forward needs more than a window
+  // beyond its inputs (kept activations of a large batch) could still go past backward's reading.
+  if (backward_seen_bytes_ <= 0) return floor;
+  const int64_t now = device_bytes_in_use();
   std::vector<int64_t> new_bytes(n, 0);
   std::vector<bool> counted(units_.size(), false);
   int64_t largest = 0;
@@ -396,13 +399,14 @@ int64_t HookOffload::opening_windows() const {
     }
     largest = std::max(largest, window);
   }
-  const int64_t budget = backward_seen_bytes_ > 0 ? backward_seen_bytes_ - now - largest : 0;
-  return fit_opening_windows(new_bytes, floor, budget);
+  return fit_opening_windows(new_bytes, floor, backward_seen_bytes_ - now - largest);
 }
 
-void HookOffload::sample_backward_memory() {
-  backward_seen_bytes_ = std::max(backward_seen_bytes_, device::allocator_stats(config_.device).allocated);
+int64_t HookOffload::device_bytes_in_use() const {
+  return memory_probe_ ? memory_probe_() : device::allocator_stats(config_.device).allocated;
 }
+
+void HookOffload::sample_backward_memory() { backward_seen_bytes_ = std::max(backward_seen_bytes_, device_bytes_in_use()); }
 
 void HookOffload::before_compute(int64_t block, bool backward) {
   hold_window(block);
@@ -693,6 +697,7 @@ double HookOffload::train_step(const models::Batch& batch) {
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
     if (failed) {
+      backward_seen_bytes_ = 0;  // a backward that failed (out of memory, say) sizes no opening
       for (auto& unit : units_) {
         unit.device_grad = torch::Tensor();  // a failed backward's partial sums
         // A first use already on the host, its last use never came: that host gradient is this
@@ -799,7 +804,7 @@ void HookOffload::optimizer_step() {
     // their copies run beside the rest of this pass, while the link is otherwise idle, and not at
     // the forward's start. (Queuing them, allocation included, counts in host_update_ms.)
     const auto opening = opening_windows();
-    last_opening_ = opening;
+    last_opening_ = opening;  // unless a fetch runs out of memory (below)
     int64_t next_window = 0;
     auto fetch_windows_through = [&](int64_t last) {
       for (; next_window < opening && next_window <= last; ++next_window) {
@@ -808,6 +813,7 @@ void HookOffload::optimizer_step() {
         } catch (const c10::OutOfMemoryError&) {  // hold_window takes all of a window or none
           // The updates are applied; the forward fetches these windows itself and reports the error
           // if it persists.
+          last_opening_ = next_window;
           next_window = opening;
         }
       }

@@ -56,8 +56,8 @@ struct HookOffloadOptions {
   /// fit in the device memory the last backward was seen using beyond what is in use when the
   /// opening starts, less one window of headroom (fit_opening_windows); where a step's peak is set
   /// in backward (a head's), those cost no peak allocated, but they move their copies into the
-  /// host pass, which they slow (bench/NOTES.md, "The opening sized by what backward used"). The
-  /// CPU reports no device memory: fit is auto there.
+  /// host pass, which they slow (bench/NOTES.md, "The opening sized by what backward used"). With
+  /// no backward seen (the CPU reports no device memory; a first or failed step) fit is auto.
   static constexpr int64_t kOpeningAuto = -1, kOpeningFit = -2;
   int64_t opening = kOpeningAuto;
   /// A unit several blocks share (a tied embedding and head) stays on the device from one of its
@@ -111,9 +111,12 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
   /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows.
   int64_t offloaded_bytes_on_device() const;
-  /// The windows the last optimizer_step fetched for the next forward (or found resident); 0
-  /// before the first.
+  /// The windows the last optimizer_step fetched for the next forward (or found resident), fewer
+  /// than planned if a fetch ran out of memory; 0 before the first.
   int64_t last_opening() const { return last_opening_; }
+  /// Tests: the device memory in use, in bytes, read from `probe` instead of the allocator
+  /// (opening=fit's budget, on a device whose allocator reports nothing).
+  void read_device_memory_with(std::function<int64_t()> probe) { memory_probe_ = std::move(probe); }
   /// opening=fit: how many windows, from block 0 on, the opening holds. `new_bytes[k]`: the device
   /// bytes window k adds to windows 0 to k-1 (0 for units held already or in an earlier window).
   /// At least `floor` (capped at the model's windows); beyond it, windows while the sum of their
@@ -199,6 +202,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   int64_t opening_windows() const;
   /// Notes the device memory in use at a point of backward (opening=fit's budget).
   void sample_backward_memory();
+  /// The allocator's bytes in use on the device, or memory_probe_'s reading.
+  int64_t device_bytes_in_use() const;
   void finish_pending();
   bool merged(int64_t block) const;
   /// What travels to the device for a unit: its host copy in the transfer dtype.
@@ -238,6 +243,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   int64_t backward_seen_bytes_ = 0;  ///< the most device memory allocated at a backward hook this step
   int64_t last_opening_ = 0;         ///< last_opening()
+  std::function<int64_t()> memory_probe_;  ///< read_device_memory_with
   std::atomic<int64_t> fetches_behind_updates_{0};  ///< Stats::fetches_behind_host_updates
   std::atomic<int64_t> host_update_ns_{0};          ///< Stats::host_update_ms
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
