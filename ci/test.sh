@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs dependencies, builds on the CPU preset, runs every test.
-# Tests labelled cuda are reported as skipped (with the reason) on machines without a GPU.
+# Tests labelled cuda are reported as skipped (with the reason) on machines without a GPU; built
+# against a LibTorch without CUDA, one test labelled cuda stands for them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh

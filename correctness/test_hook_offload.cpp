@@ -615,7 +615,7 @@ TEST(HookOffload, injected_delays_expose_a_missing_wait) {
 // on the host. Accumulating (no optimizer_step between the two steps), the second step's gradients
 // land in staging buffers and are added on the host.
 TEST(HookOffload, finish_backward_leaves_no_gradient_on_its_way) {
-  device::ScopedDelays delays({100ms, 0ms});
+  device::ScopedDelays delays({20ms, 0ms});  // copies slow beside the host (checks below), not so slow the test drags
   for (const auto* preset : {"mlp-tiny", "gpt-tiny", "mlp-tied-tiny"}) {
     for (int prefetch : {0, 2}) {
       for (bool accumulate : {false, true}) {
