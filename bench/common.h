@@ -37,6 +37,9 @@ inline correctness::ParityResult check_before_timing(const std::string& strategy
                                                      const PrecisionPolicy& precision = {}) {
   correctness::ParityCase small;
   small.model = parity_model_for(config);
+  // Options that name blocks (hook_offload's resident=) mean the same blocks in the tiny model: it
+  // takes the timed model's depth, so its block indices, the last (a head) included, match.
+  if (options.count("resident")) small.model.depth = config.depth;
   small.options = options;
   small.precision = precision;
   // A pipeline's micro-batches need a sample each (a custom schedule's count is in its text).

@@ -666,6 +666,64 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));
+  EXPECT_THAT(error_of({{"resident_updates", "gpu"}}), HasSubstr("resident_updates='gpu'"));
+  EXPECT_THAT(error_of({{"resident_updates", "device"}}), HasSubstr("resident_updates=device trains resident blocks"));
+}
+
+// resident_updates=device: the units only resident blocks use (here the GPT's tied embedding and
+// head, blocks 0 and 4, and block 1's own) train on the device. In plain and overlapped mode, with
+// a step that accumulates two batches (the parity check's second): parity with the baseline, and
+// none of their gradients or values cross the link, which the same resident blocks trained on the
+// host do every step.
+TEST(HookOffload, units_trained_on_the_device_match_the_baseline_and_never_cross_the_link) {
+  const auto config = gpt(3, 16);
+  ASSERT_TRUE(config.tied);
+  auto model = models::build_model(config, 0);
+  ASSERT_EQ(model.num_blocks(), 5);
+  int64_t on_device_bytes = 0;
+  {
+    std::map<int64_t, std::set<int64_t>> users;  // parameter -> blocks
+    const auto blocks = model.block_parameters();
+    for (size_t b = 0; b < blocks.size(); ++b)
+      for (auto p : blocks[b]) users[p].insert(static_cast<int64_t>(b));
+    for (const auto& [p, bs] : users)
+      if (std::all_of(bs.begin(), bs.end(), [](int64_t b) { return b == 0 || b == 1 || b == 4; }))
+        on_device_bytes += model.parameters()[p].tensor.numel() * 4;
+  }
+  ASSERT_GT(on_device_bytes, 0);
+  for (const auto* strategy : {"hook_offload", "hook_offload_overlap"}) {
+    correctness::ParityCase c;
+    c.model = config;
+    c.steps = 3;
+    c.options = {{"resident", "0,1,4"}, {"resident_updates", "device"}};
+    const auto r = correctness::check_parity(strategy, c, test::device());
+    EXPECT_TRUE(r.ok) << strategy << ": " << r.message;
+
+    const bool overlap = std::string(strategy) == "hook_offload_overlap";
+    auto bytes = [&](const char* where) {
+      auto s = make_offload({{"resident", "0,1,4"}, {"resident_updates", where}, {"overlap_optimizer", overlap ? "1" : "0"},
+                             {"prefetch", "0"}});
+      s->attach(models::build_model(config, 0));
+      const auto batch = models::make_batch(config, 2, 1);
+      s->train_step(batch);
+      s->optimizer_step();
+      s->reset_stats();
+      s->train_step(batch);
+      s->optimizer_step();
+      const auto stats = s->stats();
+      return std::make_pair(stats.bytes_h2d, stats.bytes_d2h);
+    };
+    const auto [h2d_host, d2h_host] = bytes("host");
+    const auto [h2d_device, d2h_device] = bytes("device");
+    // On the host those units' gradients go down every step (plain mode: the tied matrix's
+    // touched rows too) and, refreshed after their update, their values come back up.
+    if (overlap)
+      EXPECT_EQ(d2h_host - d2h_device, on_device_bytes) << strategy;
+    else
+      EXPECT_GE(d2h_host - d2h_device, on_device_bytes) << strategy;
+    EXPECT_EQ(h2d_host - h2d_device, on_device_bytes) << strategy;
+    EXPECT_GT(d2h_device, 0) << strategy << ": the offloaded blocks' gradients still go to the host";
+  }
 }
 
 TEST(HookOffload, overlapped_optimizer_refuses_gradient_accumulation) {

@@ -583,6 +583,9 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("opening") && c.options.at("opening") == "fit"; }),
             0.03);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("lead") > 0; }), 0.15);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident_updates") > 0; }), 0.06);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident") && c.options.at("resident").find(',') != std::string::npos; }),
+            0.02);
   // Shared units carried between their forward uses (the default) and fetched again.
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") > 0; }), 0.30);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") == 0; }), 0.30);

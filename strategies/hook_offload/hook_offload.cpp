@@ -34,6 +34,10 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
+  const auto resident_updates = reader.get_string("resident_updates", "host");
+  STRATA_CHECK(resident_updates == "host" || resident_updates == "device",
+               "hook_offload: option resident_updates='" << resident_updates << "' is not valid; use host or device");
+  o.resident_updates_on_device = resident_updates == "device";
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
   o.defer_updates = reader.get_bool("defer_updates", o.defer_updates);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
@@ -56,6 +60,9 @@ void HookOffloadOptions::validate() const {
                                         << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
                                            "optimizer_step)");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
+  STRATA_CHECK(!resident_updates_on_device || !resident.empty(),
+               "hook_offload: resident_updates=device trains resident blocks on the device, and resident names none; "
+               "give resident=BLOCKS");
 }
 
 void HookOffloadOptions::validate_for(int64_t num_blocks) const {
@@ -99,6 +106,12 @@ struct HookOffload::Unit {
   /// waits for it. Null when no update is pending.
   std::shared_ptr<device::Gate> updated;
   OptimizerState optimizer;
+  /// resident_updates=device and every use resident: trained on the device. Its master is
+  /// device_master (device_flat itself when the compute dtype is fp32), its gradient of this step
+  /// device_grad_sum, its optimizer state on the device; host_param and host_grad are not used.
+  bool on_device = false;
+  torch::Tensor device_master;
+  torch::Tensor device_grad_sum;
 };
 
 struct HookOffload::ReadyUpdate {
@@ -222,9 +235,25 @@ void HookOffload::attach_model(models::BlockModel model) {
   }
   for (const auto& unit : units_)
     if (unit.references > 0) permanent_bytes_ += unit.bytes;
+  if (options_.resident_updates_on_device)
+    for (auto& unit : units_) {
+      if (unit.trainable_numel == 0 || unit.uses.empty() ||
+          !std::all_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; }))
+        continue;
+      unit.on_device = true;
+      unit.rows = 0;  // no touched rows go to the host: nothing does
+      unit.host_grad = torch::Tensor();
+      // The resident window's fetch filled device_flat (compute dtype); the fp32 master is that
+      // buffer itself, or a copy of the host master made once.
+      unit.loaded.synchronize();  // the fetch has read the host copies dropped below
+      unit.device_master = precision.compute == torch::kFloat ? unit.device_flat : unit.host_param.to(config_.device);
+      unit.host_param = torch::Tensor();
+      unit.host_travel = torch::Tensor();
+    }
 }
 
 void HookOffload::fetch(Unit& unit) {
+  STRATA_CHECK(!unit.on_device, name_ << ": a unit trained on the device was fetched from the host (internal error)");
   if (unit.updated) {
     // Its host update may still be running (overlap mode): the copy, and everything queued behind
     // it on this stream, waits for it. Later fetches of the unit queue behind this one.
@@ -527,6 +556,15 @@ void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
 }
 
 void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
+  if (unit.on_device) {
+    // Nothing travels: the gradient stays where its update runs, summed over micro-batches there.
+    STRATA_CHECK(!unit.grad_filled || !options_.overlap_optimizer,
+                 name_ << ": a second gradient of one step reached an overlapped update (internal error)");
+    unit.device_grad_sum = unit.grad_filled ? unit.device_grad_sum + flat : flat;
+    unit.grad_filled = true;
+    if (options_.overlap_optimizer) update_on_device(unit);  // behind this block's backward on the stream
+    return;
+  }
   auto produced = compute_.record();
   d2h_.wait(produced);
   d2h_.keep_alive(flat);
@@ -714,7 +752,8 @@ double HookOffload::train_step(const models::Batch& batch) {
       if (options_.overlap_optimizer)
         for (auto& unit : units_) {
           unit.grad_filled = false;
-          if (unit.references > 0) unit.stale = true;
+          unit.device_grad_sum = torch::Tensor();
+          if (unit.references > 0 && !unit.on_device) unit.stale = true;
         }
       step_in_flight_ = false;
     }
@@ -784,16 +823,19 @@ void HookOffload::optimizer_step() {
     // fp16: the gradients carry the loss scale; a step with an inf or nan in any is skipped.
     std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
-      if (unit.grad_filled) grads.push_back(unit.host_grad);
+      if (unit.grad_filled) grads.push_back(unit.on_device ? unit.device_grad_sum : unit.host_grad);
     device::TimeInto timed(host_update_ns_);
     const bool finite = scaler_.unscale(grads);
     scaler_.update(finite);
+    // Units trained on the device: queued on the compute stream, ahead of the host's pass.
+    for (auto& unit : units_)
+      if (unit.on_device && unit.grad_filled && finite) update_on_device(unit);
     // Units on the device for good (resident blocks) first, each refreshed as soon as its update
     // has run: the copy then overlaps the rest of this host pass rather than opening the next
     // forward. (After train_step only resident windows hold references: the windows the last
     // optimizer_step fetched were released by the forward that used them.)
     for (auto& unit : units_)
-      if (unit.references > 0 && unit.grad_filled && finite) {
+      if (unit.references > 0 && !unit.on_device && unit.grad_filled && finite) {
         update_on_host(unit);
         unit.grad_filled = false;  // each as soon as applied: a step that fails midway applies none twice
         unit.stale = true;
@@ -832,9 +874,11 @@ void HookOffload::optimizer_step() {
   step_update_hold_.reset();
   for (auto& unit : units_) {
     unit.grad_filled = false;
+    unit.device_grad_sum = torch::Tensor();
     // overlap mode: resident blocks compute from their device copy, brought up to date when their
     // window is next held (hold_window), behind the unit's update and the compute still reading it.
-    if (options_.overlap_optimizer && unit.references > 0) unit.stale = true;
+    // (One trained on the device was updated in place, on the stream its compute runs on.)
+    if (options_.overlap_optimizer && unit.references > 0 && !unit.on_device) unit.stale = true;
   }
   if (failed_update) std::rethrow_exception(failed_update);
 }
@@ -845,6 +889,26 @@ void HookOffload::update_on_host(Unit& unit) {
   // bounds this strategy's step).
   optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer,
                    unit.host_travel.defined() ? unit.host_travel.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
+}
+
+void HookOffload::update_on_device(Unit& unit) {
+  torch::NoGradGuard no_grad;
+  auto trainable = unit.device_master.narrow(0, 0, unit.trainable_numel);
+  const bool narrower = config_.precision.compute != torch::kFloat;
+  optimizer_update(config_.optimizer, trainable, unit.device_grad_sum, unit.optimizer,
+                   narrower ? unit.device_flat.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
+}
+
+torch::Tensor HookOffload::master_on_host(const Unit& unit) const {
+  if (!unit.on_device) return unit.host_param;
+  device::synchronize(config_.device);  // its update ran on the compute stream
+  return unit.device_master.to(torch::kCPU);
+}
+
+torch::Tensor HookOffload::gradient_on_host(const Unit& unit) const {
+  if (!unit.on_device) return unit.host_grad;
+  device::synchronize(config_.device);
+  return unit.device_grad_sum.to(torch::kCPU);
 }
 
 torch::Tensor HookOffload::host_copy(size_t p, const torch::Tensor& host_flat) const {
@@ -860,7 +924,7 @@ NamedTensors HookOffload::gradients() {
   for (size_t p = 0; p < params.size(); ++p) {
     const auto& unit = units_[param_slot_[p].first];
     const bool has = unit.grad_filled && params[p].tensor.requires_grad();
-    auto g = has ? host_copy(p, unit.host_grad) : torch::zeros(params[p].tensor.sizes());
+    auto g = has ? host_copy(p, gradient_on_host(unit)) : torch::zeros(params[p].tensor.sizes());
     out.emplace_back(params[p].name, scaler_.unscaled(g));  // what the step applies
   }
   return out;
@@ -876,7 +940,8 @@ NamedTensors HookOffload::parameters() {
   const auto& params = model().parameters();
   finish_pending();
   NamedTensors out;
-  for (size_t p = 0; p < params.size(); ++p) out.emplace_back(params[p].name, host_copy(p, units_[param_slot_[p].first].host_param));
+  for (size_t p = 0; p < params.size(); ++p)
+    out.emplace_back(params[p].name, host_copy(p, master_on_host(units_[param_slot_[p].first])));
   return out;
 }
 
@@ -938,6 +1003,9 @@ static const OptionDocumenter hook_offload_docs(
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},
+     {"resident_updates", "host, device",
+      "where units used only by resident blocks are trained: on the host like the rest, or on the device (masters, "
+      "gradients and optimizer state stay there; up to 16 bytes a parameter of device memory)"},
      {"overlap_optimizer", "0/1", "each unit updated on the host as soon as its gradients land"},
      {"defer_updates", "0/1",
       "with overlap_optimizer: updates left when backward ends finish under the next forward (1) or in optimizer_step (0)"},

@@ -68,6 +68,14 @@ struct HookOffloadOptions {
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
+  /// Units every use of which is a resident block are also trained on the device: their fp32
+  /// masters, gradients and optimizer state stay there and their update runs there (in the overlap
+  /// mode as soon as their gradient is complete), so they cost the link and the host nothing, for
+  /// up to 16 bytes a parameter of device memory. A unit shared with a block that is not resident
+  /// (a tied embedding whose head is offloaded) stays on the host. The host's pass shrinks by their
+  /// share, which is what bounds the overlapped step (bench/NOTES.md, "What would move the
+  /// overlapped step").
+  bool resident_updates_on_device = false;
   /// Update each unit on the host as soon as its gradients land; updates that backward's end
   /// leaves undone finish while the next step's forward runs, in the order it needs them.
   bool overlap_optimizer = false;
@@ -211,6 +219,13 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// The unit's optimizer step over its trainable prefix, on the host (and its travelling copy
   /// refreshed).
   void update_on_host(Unit& unit);
+  /// resident_updates=device: the unit's optimizer step on the device, from its summed gradient, on
+  /// the compute stream (and its compute-dtype copy refreshed).
+  void update_on_device(Unit& unit);
+  /// A unit's flat master values (host_param, or the device master of a unit trained there) or
+  /// gradient of this step, readable on the host.
+  torch::Tensor master_on_host(const Unit& unit) const;
+  torch::Tensor gradient_on_host(const Unit& unit) const;
   /// A copy of parameter p's slice of its unit's flat host buffer (values or gradients), shaped.
   torch::Tensor host_copy(size_t p, const torch::Tensor& host_flat) const;
 
