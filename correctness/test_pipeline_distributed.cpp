@@ -89,12 +89,18 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
 
 // Mixed precision over the ranks: bf16 activations and gradients over the channels, the tied
 // embedding's copies summed over the ranks, reduction in fp32 and in bf16; against the float64
-// reference within bf16's bounds.
+// reference within bf16's bounds. Two ranks take every pairing of reduction and model; more ranks
+// (whose middle ranks add no channel code of their own) take each reduction once, with the tied GPT
+// reducing in bf16 (time: at 3 ranks on 2 cores the four pairings took 94 s of a 139 s job).
 TEST(DistributedPipeline, bf16_matches_the_reference_within_its_bounds) {
+  std::vector<std::pair<const char*, const char*>> cases = {{"bf16", "bert-tiny"}, {"bf16,reduce=bf16", "gpt-tiny"}};
+  if (world() == 2) {
+    cases.emplace_back("bf16", "gpt-tiny");
+    cases.emplace_back("bf16,reduce=bf16", "bert-tiny");
+  }
   for (const auto& strategy : kPipelines) {
     const bool interleaved = strategy == "pipeline_interleaved";
-    for (const auto* precision : {"bf16", "bf16,reduce=bf16"})
-      for (const auto* preset : {"gpt-tiny", "bert-tiny"}) {
+    for (const auto& [precision, preset] : cases) {
         correctness::ParityCase c;
         c.model = models::preset(preset).config;
         c.model.depth = std::max<int64_t>(c.model.depth, 2 * world());
