@@ -921,10 +921,13 @@ NamedTensors HookOffload::gradients() {
   const auto& params = model().parameters();
   finish_pending();
   NamedTensors out;
+  std::vector<torch::Tensor> flats(units_.size());  // each unit's read once, not once per parameter
   for (size_t p = 0; p < params.size(); ++p) {
-    const auto& unit = units_[param_slot_[p].first];
+    const auto u = param_slot_[p].first;
+    const auto& unit = units_[u];
     const bool has = unit.grad_filled && params[p].tensor.requires_grad();
-    auto g = has ? host_copy(p, gradient_on_host(unit)) : torch::zeros(params[p].tensor.sizes());
+    if (has && !flats[u].defined()) flats[u] = gradient_on_host(unit);
+    auto g = has ? host_copy(p, flats[u]) : torch::zeros(params[p].tensor.sizes());
     out.emplace_back(params[p].name, scaler_.unscaled(g));  // what the step applies
   }
   return out;
@@ -940,8 +943,12 @@ NamedTensors HookOffload::parameters() {
   const auto& params = model().parameters();
   finish_pending();
   NamedTensors out;
-  for (size_t p = 0; p < params.size(); ++p)
-    out.emplace_back(params[p].name, host_copy(p, master_on_host(units_[param_slot_[p].first])));
+  std::vector<torch::Tensor> flats(units_.size());  // each unit's read once, not once per parameter
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto u = param_slot_[p].first;
+    if (!flats[u].defined()) flats[u] = master_on_host(units_[u]);
+    out.emplace_back(params[p].name, host_copy(p, flats[u]));
+  }
   return out;
 }
 
