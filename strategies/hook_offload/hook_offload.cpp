@@ -1009,7 +1009,7 @@ static const OptionDocumenter hook_offload_docs(
       "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
-     {"resident", "block indices", "blocks kept on the device for good"},
+     {"resident", "block indices", "blocks kept on the device for good (not recomputed: their activations are kept too)"},
      {"resident_updates", "host, device",
       "where units used only by resident blocks are trained: on the host like the rest, or on the device (masters, "
       "gradients and optimizer state stay there; up to 16 bytes a parameter of device memory)"},
