@@ -12,6 +12,7 @@
 
 #include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
+#include "correctness/support/ranks.h"
 #include "correctness/support/test_device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/sharded/sharded.h"
@@ -23,8 +24,8 @@ using ::testing::HasSubstr;
 
 const std::vector<std::string> kDataParallel = {"sharded", "sharded_offload"};
 
-int world() { return distributed::environment().world_size; }
-int rank() { return distributed::environment().rank; }
+using test::rank;
+using test::world;
 
 std::unique_ptr<Sharded> make_sharded(const std::map<std::string, std::string>& options, bool offload = false,
                                       const std::string& precision = "fp32") {

@@ -14,6 +14,7 @@
 #include "correctness/support/errors.h"
 #include "correctness/support/failing_block.h"
 #include "correctness/support/generators.h"
+#include "correctness/support/ranks.h"
 #include "correctness/support/test_device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/pipeline/pipeline.h"
@@ -26,8 +27,8 @@ using ::testing::HasSubstr;
 const std::vector<std::string> kPipelines = {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved",
                                              "pipeline_zero_bubble"};
 
-int world() { return distributed::environment().world_size; }
-int rank() { return distributed::environment().rank; }
+using test::rank;
+using test::world;
 
 int64_t count(const std::string& list) { return list.empty() ? 0 : std::count(list.begin(), list.end(), ',') + 1; }
 

@@ -186,10 +186,12 @@ struct OptionDocumenter {
 #define STRATA_CONCAT_INNER(a, b) a##b
 #define STRATA_CONCAT(a, b) STRATA_CONCAT_INNER(a, b)
 /// STRATA_REGISTER_STRATEGY("name", "what it is", [](const StrategyConfig& c) { return ...; });
+/// (Named by __COUNTER__, not __LINE__: in a unity build several sources share one translation
+/// unit, and two registrations on the same line of different files must not clash.)
 #define STRATA_REGISTER_STRATEGY(name, description, factory) \
-  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __LINE__)(name, description, factory)
+  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __COUNTER__)(name, description, factory)
 /// The same for a strategy that needs options: `required` holds them with example values.
 #define STRATA_REGISTER_STRATEGY_NEEDING(name, description, required, factory) \
-  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __LINE__)(name, description, factory, required)
+  static ::strata::Registrar STRATA_CONCAT(strata_registrar_, __COUNTER__)(name, description, factory, required)
 
 }  // namespace strata

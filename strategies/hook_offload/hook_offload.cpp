@@ -989,7 +989,7 @@ void HookOffload::reset_stats() {
 }
 
 namespace {
-std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
+std::unique_ptr<Strategy> make_hook_offload(const std::string& name, const StrategyConfig& c,
                                const std::map<std::string, std::string>& defaults) {
   auto options = defaults;
   for (const auto& [k, v] : c.options) options[k] = v;
@@ -1022,15 +1022,15 @@ static const OptionDocumenter hook_offload_docs(
 
 STRATA_REGISTER_STRATEGY("hook_offload",
                          "parameters in pinned host memory, streamed block by block with prefetch; host optimizer",
-                         [](const StrategyConfig& c) { return make("hook_offload", c, {}); });
+                         [](const StrategyConfig& c) { return make_hook_offload("hook_offload", c, {}); });
 STRATA_REGISTER_STRATEGY("hook_offload_sync",
                          "hook_offload without prefetch: each block fetched when needed, as seed 003 does",
-                         [](const StrategyConfig& c) { return make("hook_offload_sync", c, {{"prefetch", "0"}, {"carry_tied", "0"}}); });
+                         [](const StrategyConfig& c) { return make_hook_offload("hook_offload_sync", c, {{"prefetch", "0"}, {"carry_tied", "0"}}); });
 STRATA_REGISTER_STRATEGY("hook_offload_overlap",
                          "hook_offload with each unit's host optimizer update overlapped with the rest of backward "
                          "and the updates left then with the next step's forward",
                          [](const StrategyConfig& c) {
-                           return make("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
+                           return make_hook_offload("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
                          });
 
 }  // namespace strata

@@ -19,13 +19,13 @@
 namespace strata {
 namespace {
 
-std::string join(const std::vector<int64_t>& v) {
+std::string comma_list(const std::vector<int64_t>& v) {
   std::ostringstream out;
   for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
   return out.str();
 }
 
-void accumulate(torch::Tensor& sum, const torch::Tensor& part) {
+void add_into_sum(torch::Tensor& sum, const torch::Tensor& part) {
   if (!part.defined()) return;
   if (!sum.defined())
     sum = part.detach().clone();
@@ -93,7 +93,7 @@ void PipelineOptions::validate() const {
   STRATA_CHECK(micro_batches >= 0,
                "pipeline: micro_batches=" << micro_batches << " must be at least 1 (or 0: two per rank)");
   for (size_t i = 0; i < balance.size(); ++i)
-    STRATA_CHECK(balance[i] >= 1, "pipeline: balance " << join(balance) << " has an empty stage (stage " << i
+    STRATA_CHECK(balance[i] >= 1, "pipeline: balance " << comma_list(balance) << " has an empty stage (stage " << i
                                                        << " gets " << balance[i] << " blocks)");
   for (const auto& d : devices) {
     try {
@@ -315,7 +315,7 @@ void Pipeline::attach_model(models::BlockModel model) {
   if (!options_.balance.empty())
     STRATA_CHECK(static_cast<int64_t>(options_.balance.size()) == stages &&
                      std::accumulate(options_.balance.begin(), options_.balance.end(), int64_t{0}) == n,
-                 name_ << ": balance " << join(options_.balance) << " must give " << stages << " stages (" << p
+                 name_ << ": balance " << comma_list(options_.balance) << " must give " << stages << " stages (" << p
                        << " ranks x " << v << ") blocks summing to the model's " << n);
   rank_devices_ = devices;
   rank_streams_.clear();
@@ -326,7 +326,7 @@ void Pipeline::attach_model(models::BlockModel model) {
     for (const auto& b : model.buffers()) layout << b.name << b.tensor.sizes() << ";";
     std::ostringstream description;
     description << name_ << "(schedule " << options_.schedule << ", micro_batches " << options_.micro_batches
-                << ", virtual_stages " << v << ", balance " << join(options_.balance) << ", schedule text #"
+                << ", virtual_stages " << v << ", balance " << comma_list(options_.balance) << ", schedule text #"
                 << std::hash<std::string>{}(custom() ? pipeline::to_text(custom_) : std::string()) << ") world " << p
                 << ", model of " << model.parameters().size() << " parameters, layout #" << std::hex
                 << std::hash<std::string>{}(layout.str());
@@ -860,7 +860,7 @@ double Pipeline::train_step(const models::Batch& batch) {
     const auto i = summed[k];
     const auto n = params[i].tensor.numel();
     if (got[static_cast<int64_t>(k)].item<float>() > 0 && here[i])
-      accumulate(grads_[i], flat.narrow(0, at, n).view(params[i].tensor.sizes()));
+      add_into_sum(grads_[i], flat.narrow(0, at, n).view(params[i].tensor.sizes()));
     bytes_interconnect_ += n * static_cast<int64_t>(params[i].tensor.element_size());
     at += n;
   }
@@ -1037,7 +1037,7 @@ void Pipeline::reset_stats() {
 }
 
 namespace {
-std::unique_ptr<Strategy> make(const std::string& name, const std::string& schedule, const StrategyConfig& c) {
+std::unique_ptr<Strategy> make_pipeline(const std::string& name, const std::string& schedule, const StrategyConfig& c) {
   auto options = c.options;
   STRATA_CHECK(!options.count("schedule") || options.at("schedule") == schedule,
                name << ": option schedule='" << options.at("schedule") << "' contradicts the strategy's own ("
@@ -1062,19 +1062,19 @@ static const OptionDocumenter pipeline_docs(
      {"time_actions", "0/1", "time every action, for the simulator's comparison"}});
 
 STRATA_REGISTER_STRATEGY("pipeline_gpipe", "pipeline parallel, GPipe: every micro-batch's forward, then every backward",
-                         [](const StrategyConfig& c) { return make("pipeline_gpipe", "gpipe", c); });
+                         [](const StrategyConfig& c) { return make_pipeline("pipeline_gpipe", "gpipe", c); });
 STRATA_REGISTER_STRATEGY("pipeline_1f1b", "pipeline parallel, 1F1B: one forward, one backward once the pipe is full",
-                         [](const StrategyConfig& c) { return make("pipeline_1f1b", "1f1b", c); });
+                         [](const StrategyConfig& c) { return make_pipeline("pipeline_1f1b", "1f1b", c); });
 STRATA_REGISTER_STRATEGY("pipeline_interleaved",
                          "pipeline parallel, interleaved 1F1B: virtual_stages stages per device (default 2)",
-                         [](const StrategyConfig& c) { return make("pipeline_interleaved", "interleaved", c); });
+                         [](const StrategyConfig& c) { return make_pipeline("pipeline_interleaved", "interleaved", c); });
 STRATA_REGISTER_STRATEGY_NEEDING(
     "pipeline_custom",
     "pipeline parallel running a hand-written schedule: schedule_file=<path> or schedule_text=<ranks split by '/'>",
     (std::map<std::string, std::string>{{"schedule_text", "F0,F1,B0,B1/F0,B0,F1,B1"}}),
-    [](const StrategyConfig& c) { return make("pipeline_custom", "custom", c); });
+    [](const StrategyConfig& c) { return make_pipeline("pipeline_custom", "custom", c); });
 STRATA_REGISTER_STRATEGY("pipeline_zero_bubble",
                          "pipeline parallel, ZB-H1: backward split into input and weight gradients, weights deferred",
-                         [](const StrategyConfig& c) { return make("pipeline_zero_bubble", "zb-h1", c); });
+                         [](const StrategyConfig& c) { return make_pipeline("pipeline_zero_bubble", "zb-h1", c); });
 
 }  // namespace strata

@@ -564,7 +564,7 @@ void Sharded::reset_stats() {
 }
 
 namespace {
-std::unique_ptr<Strategy> make(const std::string& name, const StrategyConfig& c,
+std::unique_ptr<Strategy> make_sharded(const std::string& name, const StrategyConfig& c,
                                const std::map<std::string, std::string>& defaults) {
   auto options = defaults;
   for (const auto& [k, v] : c.options) options[k] = v;
@@ -585,9 +585,9 @@ static const OptionDocumenter sharded_docs(
 
 STRATA_REGISTER_STRATEGY("sharded",
                          "ZeRO-3 / FSDP: parameters, gradients and optimizer state sharded over the ranks of a c10d group",
-                         [](const StrategyConfig& c) { return make("sharded", c, {}); });
+                         [](const StrategyConfig& c) { return make_sharded("sharded", c, {}); });
 STRATA_REGISTER_STRATEGY("sharded_offload",
                          "sharded with shards, gradients and optimizer state in pinned host memory, stepped on the host",
-                         [](const StrategyConfig& c) { return make("sharded_offload", c, {{"offload", "1"}}); });
+                         [](const StrategyConfig& c) { return make_sharded("sharded_offload", c, {{"offload", "1"}}); });
 
 }  // namespace strata
