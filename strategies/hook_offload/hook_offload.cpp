@@ -435,19 +435,22 @@ int64_t HookOffload::device_bytes_in_use() const {
   return memory_probe_ ? memory_probe_() : device::allocator_stats(config_.device).allocated;
 }
 
-void HookOffload::sample_backward_memory() { backward_seen_bytes_ = std::max(backward_seen_bytes_, device_bytes_in_use()); }
+void HookOffload::sample_backward_memory() {
+  if (options_.opening != HookOffloadOptions::kOpeningFit) return;  // only fit reads it
+  backward_seen_bytes_ = std::max(backward_seen_bytes_, device_bytes_in_use());
+}
 
 void HookOffload::before_compute(int64_t block, bool backward) {
   hold_window(block);
   prefetch_from(block, backward);  // queued behind this block's fetch, overlapping its compute
-  if (backward && options_.opening == HookOffloadOptions::kOpeningFit) sample_backward_memory();
+  if (backward) sample_backward_memory();
   wait_for_window(block);
   compute_.compute_point();
 }
 
 void HookOffload::after_compute(int64_t block, bool backward) {
   // opening=fit: the block's window and gradients are still held.
-  if (backward && options_.opening == HookOffloadOptions::kOpeningFit) sample_backward_memory();
+  if (backward) sample_backward_memory();
   if (!backward && merged(block)) return;  // stays for its backward
   if (options_.debug_release_late) {
     if (released_late_ >= 0) drop_window(released_late_, !backward);
