@@ -15,6 +15,7 @@
 
 #include "correctness/support/parity.h"
 #include "correctness/support/errors.h"
+#include "correctness/support/failing_block.h"
 #include "models/check.h"
 #include "correctness/support/test_device.h"
 #include "strategies/device/device.h"
@@ -668,6 +669,43 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));
   EXPECT_THAT(error_of({{"resident_updates", "gpu"}}), HasSubstr("resident_updates='gpu'"));
   EXPECT_THAT(error_of({{"resident_updates", "device"}}), HasSubstr("resident_updates=device trains resident blocks"));
+  EXPECT_THAT(error_of({{"resident", "1"}, {"resident_activations", "drop"}}), HasSubstr("resident_activations='drop'"));
+  EXPECT_THAT(error_of({{"resident_activations", "recompute"}}),
+              HasSubstr("resident_activations=recompute recomputes resident blocks, and resident names none"));
+}
+
+// Which blocks run their forward twice (once more in backward): the non-resident ones with
+// activations=recompute, a resident one only with resident_activations=recompute. Counted on blocks
+// that count their forward calls.
+TEST(HookOffload, resident_blocks_recompute_only_when_asked) {
+  models::ModelConfig config;
+  config.kind = models::ModelKind::mlp;
+  config.in_features = 4;
+  config.classes = 3;
+  const auto batch = models::Batch{torch::randn({6, 4}, torch::Generator(at::detail::createCPUGenerator(3))),
+                                   torch::arange(6, torch::kLong) % 3};
+  for (const char* resident_activations : {"keep", "recompute"}) {
+    for (const char* activations : {"recompute", "keep"}) {
+      std::vector<std::shared_ptr<test::FailingBlock>> counted;
+      std::vector<std::shared_ptr<models::Block>> blocks;
+      for (int b = 0; b < 3; ++b) {
+        counted.push_back(std::make_shared<test::FailingBlock>(4));
+        counted.back()->fail_after = 1 << 20;  // never fails; a block counts its calls only when armed
+        blocks.push_back(counted.back());
+      }
+      blocks.push_back(std::make_shared<test::LinearHead>(4, 3));
+      auto s = make_offload({{"resident", "1"}, {"resident_activations", resident_activations}, {"activations", activations}});
+      s->attach(models::BlockModel(config, blocks));
+      s->train_step(batch);
+      s->optimizer_step();
+      const std::string where = std::string("resident_activations=") + resident_activations + " activations=" + activations;
+      const int offloaded = std::string(activations) == "recompute" ? 2 : 1;
+      const int resident = std::string(resident_activations) == "recompute" ? 2 : 1;
+      EXPECT_EQ(counted[0]->calls.load(), offloaded) << where << ": block 0 (offloaded)";
+      EXPECT_EQ(counted[1]->calls.load(), resident) << where << ": block 1 (resident)";
+      EXPECT_EQ(counted[2]->calls.load(), offloaded) << where << ": block 2 (offloaded)";
+    }
+  }
 }
 
 // resident_updates=device: the units only resident blocks use (here the GPT's tied embedding and

@@ -584,6 +584,7 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
             0.03);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("lead") > 0; }), 0.15);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident_updates") > 0; }), 0.06);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident_activations") > 0; }), 0.06);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("resident") && c.options.at("resident").find(',') != std::string::npos; }),
             0.02);
   // Shared units carried between their forward uses (the default) and fetched again.

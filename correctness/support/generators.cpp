@@ -99,7 +99,7 @@ namespace {
 
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
 // sometimes one or two blocks kept resident (half the time trained on the device: the units only
-// they use keep masters, gradients and optimizer state there), a longer lead of the host over the device, or (`with_opening`,
+// they use keep masters, gradients and optimizer state there; half the time recomputed), a longer lead of the host over the device, or (`with_opening`,
 // plain mode only) a window count fetched by the optimizer step for the next forward, up to one
 // more than the model has, or `fit` (as many as the device memory of the last backward holds);
 // shared units carried between their forward uses or fetched again;
@@ -114,7 +114,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                        int resident2, bool on_device) {
+                        int resident2, bool on_device, bool recompute_resident) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
@@ -122,6 +122,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
             o["resident"] = std::to_string(resident);
             if (resident2 >= 0 && resident2 != resident) o["resident"] += "," + std::to_string(resident2);
             if (on_device) o["resident_updates"] = "device";
+            if (recompute_resident) o["resident_activations"] = "recompute";
           }
           if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);
@@ -131,7 +132,8 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
         with_opening ? sometimes(rc::gen::weightedOneOf<int>({{3, uniform<int>(0, blocks + 2)}, {1, rc::gen::just(kFit)}}))
                      : rc::gen::just(-1),
         sometimes(uniform<int>(0, 4)),
-        rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)), rc::gen::arbitrary<bool>());
+        rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)), rc::gen::arbitrary<bool>(),
+        rc::gen::arbitrary<bool>());
   };
 }
 

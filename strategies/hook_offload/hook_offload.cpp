@@ -34,6 +34,11 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
+  const auto resident_activations = reader.get_string("resident_activations", "keep");
+  STRATA_CHECK(resident_activations == "keep" || resident_activations == "recompute",
+               "hook_offload: option resident_activations='" << resident_activations
+                                                             << "' is not valid; use keep or recompute");
+  o.recompute_resident = resident_activations == "recompute";
   const auto resident_updates = reader.get_string("resident_updates", "host");
   STRATA_CHECK(resident_updates == "host" || resident_updates == "device",
                "hook_offload: option resident_updates='" << resident_updates << "' is not valid; use host or device");
@@ -60,6 +65,9 @@ void HookOffloadOptions::validate() const {
                                         << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
                                            "optimizer_step)");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
+  STRATA_CHECK(!recompute_resident || !resident.empty(),
+               "hook_offload: resident_activations=recompute recomputes resident blocks, and resident names none; "
+               "give resident=BLOCKS");
   STRATA_CHECK(!resident_updates_on_device || !resident.empty(),
                "hook_offload: resident_updates=device trains resident blocks on the device, and resident names none; "
                "give resident=BLOCKS");
@@ -161,9 +169,11 @@ bool HookOffload::merged(int64_t block) const {
 }
 
 bool HookOffload::recompute_block(int64_t block) const {
-  // A block that stays on the device through backward keeps its activations: nothing to save by
-  // recomputing it.
-  return options_.recompute && !merged(block) && !permanent_[block];
+  // The merged last block keeps its activations: its backward follows its forward at once. A
+  // resident block keeps them unless resident_activations=recompute: its weights are there anyway,
+  // so recomputing it saves only the activations' memory.
+  if (merged(block)) return false;
+  return permanent_[block] ? options_.recompute_resident : options_.recompute;
 }
 
 void HookOffload::attach_model(models::BlockModel model) {
@@ -1012,7 +1022,10 @@ static const OptionDocumenter hook_offload_docs(
       "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
      {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
-     {"resident", "block indices", "blocks kept on the device for good (not recomputed: their activations are kept too)"},
+     {"resident", "block indices", "blocks kept on the device for good"},
+     {"resident_activations", "keep, recompute",
+      "resident blocks keep their forward's activations through backward, or are recomputed like the others (less "
+      "device memory, one more forward of each)"},
      {"resident_updates", "host, device",
       "where units used only by resident blocks are trained: on the host like the rest, or on the device (masters, "
       "gradients and optimizer state stay there; up to 16 bytes a parameter of device memory)"},
