@@ -672,6 +672,9 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"resident", "1"}, {"resident_activations", "drop"}}), HasSubstr("resident_activations='drop'"));
   EXPECT_THAT(error_of({{"resident_activations", "recompute"}}),
               HasSubstr("resident_activations=recompute recomputes resident blocks, and resident names none"));
+  EXPECT_THAT(error_of({{"resident", "3"}, {"resident_activations", "recompute"}}, 4),
+              HasSubstr("resident_activations=recompute names only the last block (3)"));
+  EXPECT_THAT(error_of({{"resident", "3"}, {"resident_activations", "recompute"}, {"merge_last", "0"}}, 4), "<no error>");
 }
 
 // Which blocks run their forward twice (once more in backward): the non-resident ones with
@@ -730,12 +733,17 @@ TEST(HookOffload, units_trained_on_the_device_match_the_baseline_and_never_cross
   }
   ASSERT_GT(on_device_bytes, 0);
   for (const auto* strategy : {"hook_offload", "hook_offload_overlap"}) {
-    correctness::ParityCase c;
-    c.model = config;
-    c.steps = 3;
-    c.options = {{"resident", "0,1,4"}, {"resident_updates", "device"}};
-    const auto r = correctness::check_parity(strategy, c, test::device());
-    EXPECT_TRUE(r.ok) << strategy << ": " << r.message;
+    // Recomputed resident blocks too: block 0's recompute, last in backward, must read the tied
+    // matrix before the overlapped mode's in-place device update of it (which its own gradient starts).
+    for (const auto* resident_activations : {"keep", "recompute"}) {
+      correctness::ParityCase c;
+      c.model = config;
+      c.steps = 3;
+      c.options = {{"resident", "0,1,4"}, {"resident_updates", "device"}, {"resident_activations", resident_activations},
+                   {"merge_last", "0"}};
+      const auto r = correctness::check_parity(strategy, c, test::device());
+      EXPECT_TRUE(r.ok) << strategy << " resident_activations=" << resident_activations << ": " << r.message;
+    }
 
     const bool overlap = std::string(strategy) == "hook_offload_overlap";
     auto bytes = [&](const char* where) {

@@ -24,11 +24,7 @@ std::unique_ptr<ManualSplit> make_split(const std::map<std::string, std::string>
   return std::make_unique<ManualSplit>("manual_split", c, ManualSplitOptions::parse(options));
 }
 
-std::string devices(int n) {
-  std::string out;
-  for (int i = 0; i < n; ++i) out += (i ? "," : "") + test::device().str();
-  return out;
-}
+using test::devices;
 
 using test::error_of;
 

@@ -22,11 +22,7 @@ namespace {
 using ::testing::HasSubstr;
 using test::error_of;
 
-std::string devices(int n) {
-  std::string out;
-  for (int i = 0; i < n; ++i) out += (i ? "," : "") + test::device().str();
-  return out;
-}
+using test::devices;
 
 std::unique_ptr<Pipeline> make_pipeline(const std::map<std::string, std::string>& options) {
   StrategyConfig c;
@@ -34,7 +30,7 @@ std::unique_ptr<Pipeline> make_pipeline(const std::map<std::string, std::string>
   return std::make_unique<Pipeline>("pipeline", c, PipelineOptions::parse(options));
 }
 
-models::ModelConfig gpt(int64_t depth, bool tied) {
+models::ModelConfig gpt_of_depth(int64_t depth, bool tied) {
   auto c = models::preset("gpt-tiny").config;
   c.depth = depth;
   c.tied = tied;
@@ -45,7 +41,7 @@ TEST(Pipeline, refusals_name_the_numbers) {
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "zigzag"}}); }), HasSubstr("schedule='zigzag'"));
   EXPECT_THAT(error_of([] { make_pipeline({{"micro_batches", "-1"}}); }), HasSubstr("micro_batches=-1"));
   EXPECT_THAT(error_of([] { make_pipeline({{"virtual_stages", "2"}}); }), HasSubstr("virtual_stages=2 needs schedule=interleaved"));
-  const auto model = gpt(2, true);  // 4 blocks
+  const auto model = gpt_of_depth(2, true);  // 4 blocks
   auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "4"}});
   p->attach(models::build_model(model, 0));
   EXPECT_THAT(error_of([&] { p->train_step(models::make_batch(model, 3, 1)); }),
@@ -63,7 +59,7 @@ TEST(Pipeline, refusals_name_the_numbers) {
 // 1F1B keeps at most p - s micro-batches of activations on stage s, GPipe all m of them; counted as
 // the kept graphs of micro-batches whose backward has not run.
 TEST(Pipeline, one_f_one_b_holds_fewer_micro_batches_than_gpipe) {
-  const auto model = gpt(4, false);  // 6 blocks: 3 stages of 2
+  const auto model = gpt_of_depth(4, false);  // 6 blocks: 3 stages of 2
   const auto batch = models::make_batch(model, 8, 3);
   for (const auto& [schedule, expected] :
        std::vector<std::pair<std::string, std::vector<int>>>{{"gpipe", {8, 8, 8}}, {"1f1b", {3, 2, 1}}, {"zb-h1", {3, 3, 3}}}) {
@@ -80,7 +76,7 @@ TEST(Pipeline, one_f_one_b_holds_fewer_micro_batches_than_gpipe) {
 }
 
 TEST(Pipeline, replicas_of_a_shared_parameter_stay_in_sync) {
-  const auto model = gpt(2, true);
+  const auto model = gpt_of_depth(2, true);
   auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "2"}, {"replicate_tied", "1"}});
   p->attach(models::build_model(model, 0));
   for (int step = 0; step < 3; ++step) {
@@ -97,7 +93,7 @@ TEST(Pipeline, delays_on_one_rank_and_on_the_transport_keep_parity) {
                                /*collective=*/std::chrono::microseconds(0)});
   for (const std::string name : {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_zero_bubble"}) {
     correctness::ParityCase c;
-    c.model = gpt(2, true);
+    c.model = gpt_of_depth(2, true);
     c.batch_size = 5;
     c.steps = 2;
     c.options = {{"devices", devices(2)}, {"micro_batches", "2"}, {"replicate_tied", "1"}};
@@ -114,7 +110,7 @@ TEST(Pipeline, without_the_waits_the_delays_break_parity_on_cuda) {
   device::ScopedDelays delays({std::chrono::microseconds(20000), std::chrono::microseconds(20000),
                                std::chrono::microseconds(0)});
   correctness::ParityCase c;
-  c.model = gpt(2, false);
+  c.model = gpt_of_depth(2, false);
   c.batch_size = 4;
   c.steps = 1;
   c.options = {{"devices", devices(2)}, {"micro_batches", "2"}, {"debug_skip_waits", "1"}};
@@ -150,7 +146,7 @@ TEST(Pipeline, a_stage_that_throws_ends_the_step_with_its_error) {
 
 // The loss of a step is the whole batch's mean whatever the split: 7 samples over 3 micro-batches.
 TEST(Pipeline, uneven_micro_batches_give_the_batch_mean) {
-  const auto model = gpt(2, false);
+  const auto model = gpt_of_depth(2, false);
   const auto batch = models::make_batch(model, 7, 9);
   auto reference = models::build_model(model, 0);
   torch::Tensor x = batch.input;
@@ -164,7 +160,7 @@ TEST(Pipeline, uneven_micro_batches_give_the_batch_mean) {
 // time_actions: every stage's actions are timed, the kinds its schedule uses and no others, and
 // the simulator turns them into a step no longer than running every action one after another.
 TEST(Pipeline, timed_actions_give_the_simulator_its_costs) {
-  const auto model = gpt(2, true);
+  const auto model = gpt_of_depth(2, true);
   const auto batch = models::make_batch(model, 4, 3);
   for (const std::string schedule : {"1f1b", "zb-h1"}) {
     auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "4"}, {"schedule", schedule}, {"time_actions", "1"}});
@@ -204,7 +200,7 @@ TEST(Pipeline, timed_actions_give_the_simulator_its_costs) {
 TEST(Pipeline, steps_leave_allocated_memory_steady) {
   const auto dev = test::device();
   device::release_cached_memory(dev);
-  const auto model = gpt(2, true);
+  const auto model = gpt_of_depth(2, true);
   const auto batch = models::make_batch(model, 4, 3);
   for (const std::string schedule : {"1f1b", "zb-h1"}) {
     auto p = make_pipeline({{"devices", devices(2)}, {"micro_batches", "2"}, {"schedule", schedule}});
@@ -244,7 +240,7 @@ TEST(Pipeline, a_hand_written_schedule_file_runs_and_matches_the_baseline) {
         << rank1 << "          # rank 1: micro-batch 1's backward split, its W after B0\n";
   }
   correctness::ParityCase c;
-  c.model = gpt(2, true);  // 4 blocks: the tied embedding and head on different ranks
+  c.model = gpt_of_depth(2, true);  // 4 blocks: the tied embedding and head on different ranks
   c.batch_size = 5;        // three micro-batches of 2, 2 and 1 samples
   c.seed = 9;
   c.options = {{"schedule_file", file}, {"devices", devices(2)}};
@@ -275,7 +271,7 @@ TEST(Pipeline, a_custom_schedule_refuses_what_it_cannot_run_naming_it) {
   EXPECT_THAT(error_of([] { make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,X0/F0,B0"}}); }),
               HasSubstr("rank 0 token 1 'X0': unknown op"));
   // Ranks: the text's lines against the devices; micro-batches against the batch.
-  const auto model = gpt(2, false);
+  const auto model = gpt_of_depth(2, false);
   auto p = make_pipeline({{"schedule", "custom"}, {"schedule_text", "F0,F1,B0,B1/F0,B0,F1,B1"}, {"devices", devices(3)}});
   EXPECT_THAT(error_of([&] { p->attach(models::build_model(model, 0)); }),
               HasSubstr("the custom schedule has 2 rank lines but the strategy runs 3 ranks"));
@@ -291,7 +287,7 @@ TEST(Pipeline, a_custom_schedule_refuses_what_it_cannot_run_naming_it) {
 TEST(Pipeline, ranks_sharing_a_device_are_reported_as_such) {
   for (int ranks : {1, 2, 3}) {
     auto p = make_pipeline({{"devices", devices(ranks)}});
-    p->attach(models::build_model(gpt(3, true), 0));
+    p->attach(models::build_model(gpt_of_depth(3, true), 0));
     EXPECT_EQ(p->ranks_share_a_device(), ranks > 1) << ranks << " ranks on " << test::device();
   }
 }
@@ -301,13 +297,13 @@ TEST(Pipeline, ranks_sharing_a_device_are_reported_as_such) {
 TEST(MultiGpu, pipeline_over_two_devices_matches_the_baseline) {
   {
     auto p = make_pipeline({{"devices", "cuda:0,cuda:1"}});
-    p->attach(models::build_model(gpt(3, true), 0));
+    p->attach(models::build_model(gpt_of_depth(3, true), 0));
     EXPECT_FALSE(p->ranks_share_a_device()) << "one rank per GPU shares none";
   }
   for (const std::string name : {"pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved", "pipeline_zero_bubble"}) {
     for (bool tied : {true, false}) {
       correctness::ParityCase c;
-      c.model = gpt(3, tied);
+      c.model = gpt_of_depth(3, tied);
       c.batch_size = 6;
       c.steps = 3;
       c.options = {{"devices", "cuda:0,cuda:1"}, {"micro_batches", "4"}};

@@ -113,7 +113,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     const int blocks = static_cast<int>(shape.blocks);
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
-        [with_prefetch](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
+        [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
                         int resident2, bool on_device, bool recompute_resident) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
@@ -122,7 +122,9 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
             o["resident"] = std::to_string(resident);
             if (resident2 >= 0 && resident2 != resident) o["resident"] += "," + std::to_string(resident2);
             if (on_device) o["resident_updates"] = "device";
-            if (recompute_resident) o["resident_activations"] = "recompute";
+            // (Not for the merged last block alone: it keeps its activations, and the option refuses that.)
+            const bool last_alone = merge_last && resident == blocks - 1 && (resident2 < 0 || resident2 == resident);
+            if (recompute_resident && !last_alone) o["resident_activations"] = "recompute";
           }
           if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);

@@ -78,6 +78,13 @@ void HookOffloadOptions::validate_for(int64_t num_blocks) const {
     STRATA_CHECK(b < num_blocks, "hook_offload: resident block " << b << " does not exist; the model has "
                                                                  << num_blocks << " blocks (0 to " << num_blocks - 1
                                                                  << ")");
+  // The merged last block keeps its activations whatever it is: asking it alone to recompute would
+  // silently do nothing.
+  STRATA_CHECK(!recompute_resident || !merge_last ||
+                   std::any_of(resident.begin(), resident.end(), [&](int64_t b) { return b != num_blocks - 1; }),
+               "hook_offload: resident_activations=recompute names only the last block ("
+                   << num_blocks - 1 << "), which merge_last=1 keeps from its forward through its backward; "
+                   "give merge_last=0 or other resident blocks");
 }
 
 // A unit is what moves as one: the parameters only one block uses (that block's own), or one
@@ -1020,7 +1027,8 @@ static const OptionDocumenter hook_offload_docs(
       "ones count, already there; needs overlap_optimizer=0)"},
      {"carry_tied", "0/1",
       "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
-     {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
+     {"activations", "recompute, keep",
+      "recompute blocks in backward, or keep their activations (resident ones follow resident_activations)"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
      {"resident", "block indices", "blocks kept on the device for good"},
      {"resident_activations", "keep, recompute",

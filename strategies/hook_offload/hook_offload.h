@@ -70,7 +70,7 @@ struct HookOffloadOptions {
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
   /// Resident blocks recompute in backward too (resident_activations=recompute), instead of keeping
   /// their forward's activations: about as much device memory a transformer block as its training
-  /// state (bench/NOTES.md, "Updates on the device, paired and swept"), for one more forward of it.
+  /// state (bench/NOTES.md, "Resident blocks recomputed on request"), for one more forward of it.
   bool recompute_resident = false;
   /// Units every use of which is a resident block are also trained on the device: their fp32
   /// masters, gradients and optimizer state stay there and their update runs there (in the overlap

@@ -11,7 +11,7 @@
 namespace strata {
 namespace {
 
-std::string join(const std::vector<int64_t>& v) {
+std::string braced_list(const std::vector<int64_t>& v) {
   std::ostringstream out;
   out << "{";
   for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
@@ -19,7 +19,7 @@ std::string join(const std::vector<int64_t>& v) {
   return out.str();
 }
 
-void accumulate(torch::Tensor& grad, const torch::Tensor& contribution) {
+void add_grad(torch::Tensor& grad, const torch::Tensor& contribution) {
   if (!contribution.defined()) return;
   if (!grad.defined())
     grad = contribution;
@@ -47,7 +47,7 @@ ManualSplitOptions ManualSplitOptions::parse(const std::map<std::string, std::st
 
 void ManualSplitOptions::validate() const {
   for (size_t i = 0; i < balance.size(); ++i)
-    STRATA_CHECK(balance[i] >= 1, "manual_split: balance " << join(balance) << " has an empty stage (stage " << i
+    STRATA_CHECK(balance[i] >= 1, "manual_split: balance " << braced_list(balance) << " has an empty stage (stage " << i
                                                            << " gets " << balance[i] << " blocks)");
   STRATA_CHECK(stages >= 0, "manual_split: stages=" << stages << " must not be negative");
   STRATA_CHECK(weigh == "params" || weigh == "memory",
@@ -62,12 +62,12 @@ void ManualSplitOptions::validate() const {
     }
   }
   if (!balance.empty() && !devices.empty())
-    STRATA_CHECK(balance.size() == devices.size(), "manual_split: balance " << join(balance) << " has "
+    STRATA_CHECK(balance.size() == devices.size(), "manual_split: balance " << braced_list(balance) << " has "
                                                                             << balance.size() << " stages but "
                                                                             << devices.size() << " devices were given");
   if (!balance.empty() && stages > 0)
     STRATA_CHECK(static_cast<int64_t>(balance.size()) == stages,
-                 "manual_split: balance " << join(balance) << " has " << balance.size() << " stages but stages="
+                 "manual_split: balance " << braced_list(balance) << " has " << balance.size() << " stages but stages="
                                           << stages);
 }
 
@@ -138,7 +138,7 @@ void ManualSplit::attach_model(models::BlockModel model) {
   STRATA_CHECK(!options_.balance.empty() || stages <= n,
                "manual_split: " << stages << " stages for a model of " << n << " blocks; every stage needs a block");
   STRATA_CHECK(options_.balance.empty() || static_cast<int64_t>(options_.balance.size()) == stages,
-               "manual_split: balance " << join(options_.balance) << " has " << options_.balance.size()
+               "manual_split: balance " << braced_list(options_.balance) << " has " << options_.balance.size()
                                         << " stages but there are " << stages << " devices");
 
   const auto& params = model.parameters();
@@ -157,7 +157,7 @@ void ManualSplit::attach_model(models::BlockModel model) {
   } else {
     balance_ = options_.balance;
     const auto total = std::accumulate(balance_.begin(), balance_.end(), int64_t{0});
-    STRATA_CHECK(total == n, "manual_split: balance " << join(balance_) << " sums to " << total
+    STRATA_CHECK(total == n, "manual_split: balance " << braced_list(balance_) << " sums to " << total
                                                       << " but the model has " << n << " blocks");
   }
   stage_of_.clear();
@@ -313,7 +313,7 @@ struct ReplicaBlock : torch::autograd::Function<ReplicaBlock> {
       ManualSplit::Replica* replica = nullptr;
       for (auto* r : replicas)
         if (all[r->param].tensor.unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl()) replica = r;
-      accumulate(replica ? replica->value.mutable_grad() : params[i].mutable_grad(), g);
+      add_grad(replica ? replica->value.mutable_grad() : params[i].mutable_grad(), g);
     }
     return {torch::Tensor(), torch::Tensor(), grads.input, torch::Tensor()};
   }
@@ -469,7 +469,7 @@ void ManualSplit::optimizer_step() {
     for (auto& r : replicas_) {
       const auto& g = r.value.grad();
       if (!g.defined()) continue;
-      accumulate(params[r.param].tensor.mutable_grad(), transfer(g, devices_[home_stage_[r.param]]));
+      add_grad(params[r.param].tensor.mutable_grad(), transfer(g, devices_[home_stage_[r.param]]));
     }
   }
   for (size_t p = 0; p < params.size(); ++p) {
