@@ -1,5 +1,6 @@
 #include "strategies/options.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace strata {
@@ -70,6 +71,15 @@ std::string OptionReader::get_string(const std::string& key, const std::string& 
   record(key, fallback);
   const auto* v = find(key);
   return v ? *v : fallback;
+}
+
+std::string OptionReader::get_choice(const std::string& key, const std::vector<std::string>& choices) {
+  const auto value = get_string(key, choices.front());
+  if (std::find(choices.begin(), choices.end(), value) != choices.end()) return value;
+  std::string listed;
+  for (size_t i = 0; i < choices.size(); ++i)
+    listed += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
+  STRATA_FAIL(strategy_ << ": option " << key << "='" << value << "' is not valid; use " << listed);
 }
 
 std::vector<int64_t> OptionReader::get_ints(const std::string& key, const std::vector<int64_t>& fallback) {

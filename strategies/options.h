@@ -45,6 +45,8 @@ class OptionReader {
   bool get_bool(const std::string& key, bool fallback);
   int64_t get_int(const std::string& key, int64_t fallback);
   std::string get_string(const std::string& key, const std::string& fallback);
+  /// One of `choices` (the first is the default); any other value is an Error naming it and them.
+  std::string get_choice(const std::string& key, const std::vector<std::string>& choices);
   /// Comma-separated integers, e.g. "3,2,1".
   std::vector<int64_t> get_ints(const std::string& key, const std::vector<int64_t>& fallback);
   /// Comma-separated strings, e.g. "cuda:0,cuda:1".

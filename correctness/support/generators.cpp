@@ -99,8 +99,8 @@ namespace {
 
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
 // sometimes one or two blocks kept resident (half the time trained on the device: the units only
-// they use keep masters, gradients and optimizer state there; half the time recomputed), a longer lead of the host over the device, or (`with_opening`,
-// plain mode only) a window count fetched by the optimizer step for the next forward, up to one
+// they use keep masters, gradients and optimizer state there; half the time recomputed), a longer
+// lead of the host over the device, or (`with_opening`, plain mode only) a window count fetched by the optimizer step for the next forward, up to one
 // more than the model has, or `fit` (as many as the device memory of the last backward holds);
 // shared units carried between their forward uses or fetched again;
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
@@ -114,7 +114,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                        int resident2, bool on_device, bool recompute_resident) {
+                                int resident2, bool on_device, bool recompute_resident) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);

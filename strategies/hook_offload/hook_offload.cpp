@@ -27,22 +27,12 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
     STRATA_CHECK(o.opening >= 0, "hook_offload: option opening='"
                                      << opening << "' is not valid; use auto, fit or a window count, 0 or more");
   }
-  const auto activations = reader.get_string("activations", "recompute");
-  STRATA_CHECK(activations == "recompute" || activations == "keep",
-               "hook_offload: option activations='" << activations << "' is not valid; use recompute or keep");
-  o.recompute = activations == "recompute";
+  o.recompute = reader.get_choice("activations", {"recompute", "keep"}) == "recompute";
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
-  const auto resident_activations = reader.get_string("resident_activations", "keep");
-  STRATA_CHECK(resident_activations == "keep" || resident_activations == "recompute",
-               "hook_offload: option resident_activations='" << resident_activations
-                                                             << "' is not valid; use keep or recompute");
-  o.recompute_resident = resident_activations == "recompute";
-  const auto resident_updates = reader.get_string("resident_updates", "host");
-  STRATA_CHECK(resident_updates == "host" || resident_updates == "device",
-               "hook_offload: option resident_updates='" << resident_updates << "' is not valid; use host or device");
-  o.resident_updates_on_device = resident_updates == "device";
+  o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
+  o.resident_updates_on_device = reader.get_choice("resident_updates", {"host", "device"}) == "device";
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
   o.defer_updates = reader.get_bool("defer_updates", o.defer_updates);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
@@ -124,7 +114,7 @@ struct HookOffload::Unit {
   /// resident_updates=device and every use resident: trained on the device. Its master is
   /// device_master (device_flat itself when the compute dtype is fp32), its gradient of this step
   /// device_grad_sum, its optimizer state on the device; host_param and host_grad are not used.
-  bool on_device = false;
+  bool on_device() const { return device_master.defined(); }
   torch::Tensor device_master;
   torch::Tensor device_grad_sum;
 };
@@ -257,7 +247,6 @@ void HookOffload::attach_model(models::BlockModel model) {
       if (unit.trainable_numel == 0 || unit.uses.empty() ||
           !std::all_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; }))
         continue;
-      unit.on_device = true;
       unit.rows = 0;  // no touched rows go to the host: nothing does
       unit.host_grad = torch::Tensor();
       // The resident window's fetch filled device_flat (compute dtype); the fp32 master is that
@@ -270,7 +259,7 @@ void HookOffload::attach_model(models::BlockModel model) {
 }
 
 void HookOffload::fetch(Unit& unit) {
-  STRATA_CHECK(!unit.on_device, name_ << ": a unit trained on the device was fetched from the host (internal error)");
+  STRATA_CHECK(!unit.on_device(), name_ << ": a unit trained on the device was fetched from the host (internal error)");
   if (unit.updated) {
     // Its host update may still be running (overlap mode): the copy, and everything queued behind
     // it on this stream, waits for it. Later fetches of the unit queue behind this one.
@@ -576,7 +565,7 @@ void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
 }
 
 void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
-  if (unit.on_device) {
+  if (unit.on_device()) {
     // Nothing travels: the gradient stays where its update runs, summed over micro-batches there.
     STRATA_CHECK(!unit.grad_filled || !options_.overlap_optimizer,
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
@@ -773,7 +762,7 @@ double HookOffload::train_step(const models::Batch& batch) {
         for (auto& unit : units_) {
           unit.grad_filled = false;
           unit.device_grad_sum = torch::Tensor();
-          if (unit.references > 0 && !unit.on_device) unit.stale = true;
+          if (unit.references > 0 && !unit.on_device()) unit.stale = true;
         }
       step_in_flight_ = false;
     }
@@ -843,19 +832,19 @@ void HookOffload::optimizer_step() {
     // fp16: the gradients carry the loss scale; a step with an inf or nan in any is skipped.
     std::vector<torch::Tensor> grads;
     for (auto& unit : units_)
-      if (unit.grad_filled) grads.push_back(unit.on_device ? unit.device_grad_sum : unit.host_grad);
+      if (unit.grad_filled) grads.push_back(unit.on_device() ? unit.device_grad_sum : unit.host_grad);
     device::TimeInto timed(host_update_ns_);
     const bool finite = scaler_.unscale(grads);
     scaler_.update(finite);
     // Units trained on the device: queued on the compute stream, ahead of the host's pass.
     for (auto& unit : units_)
-      if (unit.on_device && unit.grad_filled && finite) update_on_device(unit);
+      if (unit.on_device() && unit.grad_filled && finite) update_on_device(unit);
     // Units on the device for good (resident blocks) first, each refreshed as soon as its update
     // has run: the copy then overlaps the rest of this host pass rather than opening the next
     // forward. (After train_step only resident windows hold references: the windows the last
     // optimizer_step fetched were released by the forward that used them.)
     for (auto& unit : units_)
-      if (unit.references > 0 && !unit.on_device && unit.grad_filled && finite) {
+      if (unit.references > 0 && !unit.on_device() && unit.grad_filled && finite) {
         update_on_host(unit);
         unit.grad_filled = false;  // each as soon as applied: a step that fails midway applies none twice
         unit.stale = true;
@@ -898,7 +887,7 @@ void HookOffload::optimizer_step() {
     // overlap mode: resident blocks compute from their device copy, brought up to date when their
     // window is next held (hold_window), behind the unit's update and the compute still reading it.
     // (One trained on the device was updated in place, on the stream its compute runs on.)
-    if (options_.overlap_optimizer && unit.references > 0 && !unit.on_device) unit.stale = true;
+    if (options_.overlap_optimizer && unit.references > 0 && !unit.on_device()) unit.stale = true;
   }
   if (failed_update) std::rethrow_exception(failed_update);
 }
@@ -920,13 +909,13 @@ void HookOffload::update_on_device(Unit& unit) {
 }
 
 torch::Tensor HookOffload::master_on_host(const Unit& unit) const {
-  if (!unit.on_device) return unit.host_param;
+  if (!unit.on_device()) return unit.host_param;
   device::synchronize(config_.device);  // its update ran on the compute stream
   return unit.device_master.to(torch::kCPU);
 }
 
 torch::Tensor HookOffload::gradient_on_host(const Unit& unit) const {
-  if (!unit.on_device) return unit.host_grad;
+  if (!unit.on_device()) return unit.host_grad;
   device::synchronize(config_.device);
   return unit.device_grad_sum.to(torch::kCPU);
 }
@@ -1010,7 +999,7 @@ void HookOffload::reset_stats() {
 
 namespace {
 std::unique_ptr<Strategy> make_hook_offload(const std::string& name, const StrategyConfig& c,
-                               const std::map<std::string, std::string>& defaults) {
+                                            const std::map<std::string, std::string>& defaults) {
   auto options = defaults;
   for (const auto& [k, v] : c.options) options[k] = v;
   return std::make_unique<HookOffload>(name, c, HookOffloadOptions::parse(options));

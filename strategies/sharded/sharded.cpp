@@ -15,10 +15,7 @@ ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& o
   OptionReader reader("sharded", options);
   ShardedOptions o;
   o.prefetch = reader.get_int("prefetch", o.prefetch);
-  const auto activations = reader.get_string("activations", "recompute");
-  STRATA_CHECK(activations == "recompute" || activations == "keep",
-               "sharded: option activations='" << activations << "' is not valid; use recompute or keep");
-  o.recompute = activations == "recompute";
+  o.recompute = reader.get_choice("activations", {"recompute", "keep"}) == "recompute";
   o.reshard_after_forward = reader.get_bool("reshard_after_forward", o.reshard_after_forward);
   o.offload = reader.get_bool("offload", o.offload);
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.offload);
@@ -565,7 +562,7 @@ void Sharded::reset_stats() {
 
 namespace {
 std::unique_ptr<Strategy> make_sharded(const std::string& name, const StrategyConfig& c,
-                               const std::map<std::string, std::string>& defaults) {
+                                       const std::map<std::string, std::string>& defaults) {
   auto options = defaults;
   for (const auto& [k, v] : c.options) options[k] = v;
   return std::make_unique<Sharded>(name, c, ShardedOptions::parse(options));
