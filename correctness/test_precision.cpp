@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "correctness/support/errors.h"
@@ -315,21 +316,31 @@ TEST(Precision, offloading_strategies_stream_half_the_bytes_in_bf16) {
   EXPECT_EQ(sharded_bf16.second, sharded_fp32.second);
 }
 
+// The dtypes the probes saw. A pipeline's ranks run on threads of their own, so its blocks'
+// forwards record concurrently.
+struct SeenDtypes {
+  std::mutex mutex;
+  std::vector<torch::ScalarType> dtypes;
+};
+
 // A block that records the dtypes it computes with: its weight's and its input's.
 class DtypeProbe : public models::Block {
  public:
-  DtypeProbe(int64_t in, int64_t out, std::vector<torch::ScalarType>* seen) : seen_(seen) {
+  DtypeProbe(int64_t in, int64_t out, SeenDtypes* seen) : seen_(seen) {
     linear_ = register_module("linear", torch::nn::Linear(in, out));
   }
   torch::Tensor forward(const torch::Tensor& x) override {
-    seen_->push_back(x.scalar_type());
-    seen_->push_back(linear_->weight.scalar_type());
+    {
+      std::lock_guard<std::mutex> lock(seen_->mutex);
+      seen_->dtypes.push_back(x.scalar_type());
+      seen_->dtypes.push_back(linear_->weight.scalar_type());
+    }
     return linear_->forward(x);
   }
 
  private:
   torch::nn::Linear linear_{nullptr};
-  std::vector<torch::ScalarType>* seen_;
+  SeenDtypes* seen_;
 };
 
 // Under bf16 every block of every supporting strategy sees bf16 weights and bf16 inputs: the
@@ -339,7 +350,7 @@ TEST(Precision, every_supporting_strategy_computes_in_bf16_and_passes_bf16_activ
   const auto policy = PrecisionPolicy::parse("bf16");
   for (const auto& name : strategies_under(policy)) {
     const auto config = config_for(name, policy);
-    std::vector<torch::ScalarType> seen;
+    SeenDtypes seen;
     models::ModelConfig mc;
     mc.kind = models::ModelKind::custom;
     torch::manual_seed(0);
@@ -352,8 +363,8 @@ TEST(Precision, every_supporting_strategy_computes_in_bf16_and_passes_bf16_activ
     models::Batch batch{torch::randn({4, 4}), torch::tensor({0, 1, 2, 0})};
     s->train_step(batch);
     s->optimizer_step();
-    ASSERT_FALSE(seen.empty()) << name;
-    for (auto dtype : seen) EXPECT_EQ(dtype, torch::kBFloat16) << name;
+    ASSERT_FALSE(seen.dtypes.empty()) << name;
+    for (auto dtype : seen.dtypes) EXPECT_EQ(dtype, torch::kBFloat16) << name;
     for (const auto& [p, t] : s->parameters()) EXPECT_EQ(t.scalar_type(), torch::kFloat) << name << " " << p;
   }
 }
