@@ -16,15 +16,17 @@ Under torchrun with several ranks it runs the data-parallel peers instead — DD
 (fully_shard per block and on the root) and FSDP2 with CPUOffloadPolicy — one GPU per rank, each
 first checked on gpt-tiny against one process on the whole batch; with --peers=torch_pp_gpipe,
 torch_pp_1f1b,torch_pp_interleaved,torch_pp_zbv, torch.distributed.pipelining's schedules over the
-ranks (the whole batch in --micro-batches), checked the same way. The two schedules with two
-stages per rank also run on one rank (torchrun --nproc-per-node=1: both stages on one GPU, as
-strata's pipelines share one); under --precision=bf16 every stage computes under autocast and
-passes its activations on in bf16.
+ranks (the whole batch in --micro-batches), checked the same way. The schedules with two stages
+per rank also run on one rank (torchrun --nproc-per-node=1: both stages on one GPU, as strata's
+pipelines share one): torch_pp_interleaved, torch_pp_zbv, and torch_pp_looped_bfs, whose order on
+one rank is GPipe's (every micro-batch's forward through stage 0, then through stage 1, then the
+backwards in reverse), GPipe's own schedule needing a rank per stage. Under --precision=bf16 every
+stage computes under autocast and passes its activations on in bf16.
 
   python3 bench/peers.py --model=gpt-871m --offload-py=PATH/offload.py --out=peers.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --out=peers-x2.json
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --peers=torch_pp_1f1b --micro-batches=8 --out=pp.json
-  torchrun --nproc-per-node=1 bench/peers.py --peers=torch_pp_interleaved,torch_pp_zbv --precision=bf16 --out=pp1.json
+  torchrun --nproc-per-node=1 bench/peers.py --peers=torch_pp_interleaved,torch_pp_zbv,torch_pp_looped_bfs --precision=bf16 --out=pp1.json
   python3 bench/peers.py --self-test [--offload-py=PATH]   # the parity check fails a wrong peer, passes right ones
 """
 import argparse
@@ -479,7 +481,8 @@ def distributed_parity(kind, dev, local, rank, world):
 # leaves tied weights across stages to the user). Placement: stage k on rank k % world, except
 # ZBV's V (rank r holds stages r and 2*world-1-r).
 PIPELINES = {"torch_pp_gpipe": ("ScheduleGPipe", 1), "torch_pp_1f1b": ("Schedule1F1B", 1),
-             "torch_pp_interleaved": ("ScheduleInterleaved1F1B", 2), "torch_pp_zbv": ("ScheduleZBVZeroBubble", 2)}
+             "torch_pp_interleaved": ("ScheduleInterleaved1F1B", 2), "torch_pp_zbv": ("ScheduleZBVZeroBubble", 2),
+             "torch_pp_looped_bfs": ("ScheduleLoopedBFS", 2)}
 
 
 class StageModule(nn.Module):
@@ -515,7 +518,8 @@ def build_pipeline_peer(kind, c, dev, rank, world, n_micro, total_tokens):
     cls_name, per_rank = PIPELINES[kind]
     if world * per_rank < 2:
         raise ValueError(f"{kind} runs one stage per rank, so one rank would be no pipeline; on one GPU "
-                         "run torch_pp_interleaved or torch_pp_zbv (two stages on the rank)")
+                         "run torch_pp_looped_bfs (GPipe's order), torch_pp_interleaved or torch_pp_zbv (two stages "
+                         "on the rank)")
     n_stages = world * per_rank
     if kind == "torch_pp_zbv":
         mine = [rank, 2 * world - 1 - rank]

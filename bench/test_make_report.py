@@ -48,8 +48,11 @@ def main():
                  [cell("baseline", "gpt-871m", peak_allocated_bytes=31 * 2**30, peak_reserved_bytes=32 * 2**30,
                        peak_param_bytes=3.5e9, mfu=0.38),
                   cell("pipeline_zero_bubble", "gpt-871m", fwd_bwd_ms=300.0, peak_allocated_bytes=2**30),
-                  cell("pipeline_interleaved", "gpt-871m", fwd_bwd_ms=240.0, peak_allocated_bytes=2**30)],
+                  cell("pipeline_interleaved", "gpt-871m", fwd_bwd_ms=240.0, peak_allocated_bytes=2**30),
+                  cell("pipeline_gpipe", "gpt-871m", fwd_bwd_ms=330.0, peak_allocated_bytes=2**30)],
                  peers=[{"name": "torch_pp_zbv[m=4;ranks=1]/gpt-871m", "real_time": 270.0, "fwd_bwd_ms": 250.0,
+                         "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1},
+                        {"name": "torch_pp_looped_bfs[m=4;ranks=1]/gpt-871m", "real_time": 320.0, "fwd_bwd_ms": 300.0,
                          "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1},
                         {"name": "torch_pp_interleaved[m=8;ranks=2]/gpt-871m", "real_time": 200.0, "fwd_bwd_ms": 180.0,
                          "optimizer_ms": 20.0, "peak_allocated_bytes": 2**30, "parity_ok": 1},
@@ -84,6 +87,8 @@ def main():
         ("a pipeline beside the torch pipelining peer named with its settings",
          "| pipeline_zero_bubble | torch_pp_zbv[m=4;ranks=1] | 300.0 | 250.0 | 1.200 | — | shown |" in gpu),
         ("no pair with a pipeline peer over two GPUs", "| pipeline_interleaved | torch_pp" not in gpu),
+        ("GPipe beside the schedule that runs its order on one rank",
+         "| pipeline_gpipe | torch_pp_looped_bfs[m=4;ranks=1] | 330.0 | 300.0 | 1.100 | — | shown |" in gpu),
     ]
     failed = [what for what, ok in checks if not ok]
     for what, ok in checks:

@@ -75,14 +75,14 @@ more_peers_into() {
     merge_into "$target" "$out" || status=1
   done
 }
-# pipeline_peers_into TARGET [PEERS.PY ARGS...]: torch.distributed.pipelining's two schedules that
-# put two stages on a rank, on one rank (one GPU, as the matrix's pipeline cells share cuda:0, in as
-# many micro-batches as those cells: 2 per rank of 2), merged into TARGET.
+# pipeline_peers_into TARGET [PEERS.PY ARGS...]: torch.distributed.pipelining's schedules that put
+# two stages on a rank (LoopedBFS: GPipe's order), on one rank (one GPU, as the matrix's pipeline
+# cells share cuda:0, in as many micro-batches as those cells: 2 per rank of 2), merged into TARGET.
 pipeline_peers_into() {
   local target=$1 out=${1%.json}-pp.json; shift
   rm -f "$out"  # an earlier run's file must not be merged if this one writes none
   NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --standalone --nproc-per-node=1 bench/peers.py "$@" \
-    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --peers=torch_pp_interleaved,torch_pp_zbv --micro-batches=4 --steps=3 \
+    --model="${STRATA_PEERS_MODEL:-gpt-871m}" --peers=torch_pp_interleaved,torch_pp_zbv,torch_pp_looped_bfs --micro-batches=4 --steps=3 \
     --out="$out" 2>&1 | tee "${out%.json}.txt" || { echo "ci/gpu.sh: a pipeline peer failed ($*)"; status=1; }
   merge_into "$target" "$out" || status=1
 }
@@ -116,7 +116,7 @@ for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
   more_peers_bf16+="; bench/peers.py --precision=bf16 --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
 done
-pp_peers="torchrun --nproc-per-node=1 bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --peers=torch_pp_interleaved,torch_pp_zbv --micro-batches=4 --steps=3"
+pp_peers="torchrun --nproc-per-node=1 bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --peers=torch_pp_interleaved,torch_pp_zbv,torch_pp_looped_bfs --micro-batches=4 --steps=3"
 more_peers+="; $pp_peers"
 more_peers_bf16+="; $pp_peers --precision=bf16"
 # fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase that passed

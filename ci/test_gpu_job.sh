@@ -44,11 +44,12 @@ if [ "\$1" = bench/peers.py ]; then
   pp=""; case "\$*" in *--peers=torch_pp_*) pp=" pp";; esac
   echo "peers \$prec \$model\$pp" >> "$work/calls"
   [ -n "\${STUB_PEERS_FAIL:-}" ] && exit 1
-  if [ -n "\$pp" ]; then  # the pipeline peers on one rank: two made-up rows
+  if [ -n "\$pp" ]; then  # the pipeline peers on one rank: made-up rows
     tag=""; [ \$prec = bf16 ] && tag=";precision=bf16"
-    printf '{"context": {}, "benchmarks": [%s, %s]}' \
+    printf '{"context": {}, "benchmarks": [%s, %s, %s]}' \
       "{\"name\": \"torch_pp_interleaved[m=4;ranks=1\$tag]/\$model\", \"real_time\": 270, \"fwd_bwd_ms\": 250, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" \
-      "{\"name\": \"torch_pp_zbv[m=4;ranks=1\$tag]/\$model\", \"real_time\": 275, \"fwd_bwd_ms\": 255, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" > "\$out"
+      "{\"name\": \"torch_pp_zbv[m=4;ranks=1\$tag]/\$model\", \"real_time\": 275, \"fwd_bwd_ms\": 255, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" \
+      "{\"name\": \"torch_pp_looped_bfs[m=4;ranks=1\$tag]/\$model\", \"real_time\": 290, \"fwd_bwd_ms\": 270, \"optimizer_ms\": 20, \"peak_allocated_bytes\": 2e10, \"parity_ok\": 1}" > "\$out"
     exit 0
   fi
   src=$work/h200/peers.json; [ \$prec = bf16 ] && src=$work/h200-bf16/peers.json
@@ -92,6 +93,8 @@ grep -qF "| pipeline_zero_bubble | torch_pp_zbv[m=4;ranks=1] |" "$out/report/rep
   || fail "the fp32 report lacks the pipeline peers"
 grep -qF "| pipeline_interleaved | torch_pp_interleaved[m=4;ranks=1] |" "$out/report-bf16/report.md" \
   || fail "the bf16 report lacks the pipeline peers"
+grep -qF "| pipeline_gpipe | torch_pp_looped_bfs[m=4;ranks=1] |" "$out/report-bf16/report.md" \
+  || fail "the bf16 report lacks GPipe's one-rank peer"
 [ "$(grep -c "fails, as it must" "$work/log")" = 4 ] || fail "the gate's self-test did not fail its four doctored copies"
 $python - "$out" <<'PY' || fail "the merged files are wrong"
 import json, sys

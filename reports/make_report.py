@@ -112,7 +112,9 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
 # sharded at world size 1 beside FSDP2 at world size 1 has no target of its own yet (None): shown, not judged.
 # The pipelines beside torch.distributed.pipelining's schedules (a peer named with its settings,
 # "torch_pp_zbv[m=4;ranks=1]": on one GPU both its stages on one rank, as strata's ranks share it),
-# shown, not judged: their target is a ratio held across precisions, read off two reports.
+# shown, not judged: their target is a ratio held across precisions, read off two reports. GPipe's
+# schedule needs a rank per stage; on one rank its peer is ScheduleLoopedBFS, GPipe's order with both
+# stages on the rank (ONE_RANK_ORDER).
 REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint", "torch_checkpoint", 1.01),
                    ("hook_offload", "torch_checkpoint", 1.03), ("hook_offload_overlap", "torch_checkpoint", 1.03),
                    ("sharded", "fsdp2", None), ("sharded_offload", "fsdp2_cpu_offload", None),
@@ -120,9 +122,13 @@ REFERENCE_PAIRS = [("baseline", "torch_baseline", 1.01), ("baseline_checkpoint",
                    ("pipeline_interleaved", "torch_pp_interleaved", None), ("pipeline_zero_bubble", "torch_pp_zbv", None)]
 
 
+ONE_RANK_ORDER = {"torch_pp_gpipe": "torch_pp_looped_bfs"}
+
+
 def peer_named(kind, peers):
     """The peer of that kind in this run: by its plain name; a pipeline peer by its name with its
-    settings, on one rank (the matrix's pipeline cells share one GPU), the fewest micro-batches first."""
+    settings, on one rank (the matrix's pipeline cells share one GPU), the fewest micro-batches first,
+    else the schedule that runs its order on one rank."""
     if kind in peers:
         return kind
     if not kind.startswith("torch_pp_"):
@@ -131,6 +137,8 @@ def peer_named(kind, peers):
         m = re.search(r"m=(\d+)", name)
         return int(m.group(1)) if m else 0
     named = [k for k in peers if k.startswith(kind + "[") and re.search(r"[\[;]ranks=1[;\]]", k)]
+    if not named and kind in ONE_RANK_ORDER:
+        return peer_named(ONE_RANK_ORDER[kind], peers)
     return min(named, key=micro_batches, default=None)
 
 
