@@ -378,6 +378,10 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     // The host optimizer's own time: with the step time, how long the host sat idle.
     if (stats.host_update_ms > 0) state.counters["host_update_ms"] = stats.host_update_ms / steps;
     state.counters["parameters"] = live.parameters;
+    // Of them, those the host optimizer steps, where the strategy counts them (fewer than all when
+    // some units train on the device): the host pass's bytes are theirs.
+    if (stats.host_stepped_parameters > 0)
+      state.counters["host_parameters"] = static_cast<double>(stats.host_stepped_parameters);
     state.counters["oom"] = 0;
     end_cell(state, Outcome::ok, "");
     char line[64];

@@ -67,7 +67,16 @@ def main():
                             host_update_ms=350.0, parameters=1e9, optimizer_on_host=1, peak_allocated_bytes=2**30),
                        # another model's slower pass (60 GB/s): its floor too is at the run's fastest
                        cell("hook_offload", "gpt-medium", real_time=70.0, fwd_bwd_ms=20.0, optimizer_ms=50.0,
-                            host_update_ms=2.8e3 / 60, parameters=1e8, optimizer_on_host=1, peak_allocated_bytes=2**30)])
+                            host_update_ms=2.8e3 / 60, parameters=1e8, optimizer_on_host=1, peak_allocated_bytes=2**30),
+                       # a fifth of the parameters trained on the device: the host pass is the rest's,
+                       # and the overlapped cell's device time is its twin's with the same options
+                       cell("hook_offload[resident=0;resident_updates=device]", "gpt-871m", real_time=570.0,
+                            fwd_bwd_ms=290.0, optimizer_ms=280.0, host_update_ms=280.0, parameters=1e9,
+                            host_parameters=8e8, optimizer_on_host=1, peak_allocated_bytes=2**30),
+                       cell("hook_offload_overlap[resident=0;resident_updates=device]", "gpt-871m", real_time=400.0,
+                            fwd_bwd_ms=380.0, optimizer_ms=20.0, host_update_ms=280.0, parameters=1e9,
+                            host_parameters=8e8, optimizer_on_host=1, fetches_behind_host_updates=3,
+                            peak_allocated_bytes=2**30)])
     low_triad, high_triad = host_run(50.0), host_run(100.0)
     checks = [
         ("a triad below the run's own host pass: the floor is that pass",
@@ -75,6 +84,9 @@ def main():
          and "80.0 GB/s, the fastest host pass of this run" in low_triad),
         ("the fastest pass of the whole run, not of one model",
          "| hook_offload | 100,000,000 | 35.0 | 46.7 | 60.0 | 20.0 | 35.0 | 70.0 | 2.00 |" in low_triad),
+        ("units trained on the device: the host pass over the host's parameters, device time from the twin",
+         "| hook_offload_overlap[resident=0;resident_updates=device] | 800,000,000 | 280.0 | 280.0 | 80.0 | 290.0 "
+         "| 290.0 | 400.0 | 1.38 |" in low_triad),
         ("a triad above it: the floor is the triad's",
          "| hook_offload | 1,000,000,000 | 280.0 | 350.0 | 80.0 | 300.0 | 300.0 | 650.0 | 2.17 |" in high_triad
          and "triad 100.0 GB/s" in high_triad),

@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -721,7 +722,8 @@ TEST(HookOffload, units_trained_on_the_device_match_the_baseline_and_never_cross
   ASSERT_TRUE(config.tied);
   auto model = models::build_model(config, 0);
   ASSERT_EQ(model.num_blocks(), 5);
-  int64_t on_device_bytes = 0;
+  int64_t on_device_bytes = 0, all_parameters = 0;
+  for (const auto& p : model.parameters()) all_parameters += p.tensor.numel();
   {
     std::map<int64_t, std::set<int64_t>> users;  // parameter -> blocks
     const auto blocks = model.block_parameters();
@@ -757,10 +759,14 @@ TEST(HookOffload, units_trained_on_the_device_match_the_baseline_and_never_cross
       s->train_step(batch);
       s->optimizer_step();
       const auto stats = s->stats();
-      return std::make_pair(stats.bytes_h2d, stats.bytes_d2h);
+      return std::make_tuple(stats.bytes_h2d, stats.bytes_d2h, stats.host_stepped_parameters);
     };
-    const auto [h2d_host, d2h_host] = bytes("host");
-    const auto [h2d_device, d2h_device] = bytes("device");
+    const auto [h2d_host, d2h_host, stepped_host] = bytes("host");
+    const auto [h2d_device, d2h_device, stepped_device] = bytes("device");
+    // What the host optimizer steps (the report's host pass bytes): every parameter, or all but
+    // those units'.
+    EXPECT_EQ(stepped_host, all_parameters) << strategy;
+    EXPECT_EQ(stepped_device, all_parameters - on_device_bytes / 4) << strategy;
     // On the host those units' gradients go down every step (plain mode: the tied matrix's
     // touched rows too) and, refreshed after their update, their values come back up.
     if (overlap)

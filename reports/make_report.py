@@ -144,8 +144,15 @@ def peer_named(kind, peers):
 
 HOST_BYTES_PER_PARAM = 28  # AdamW on the host: reads p, g, m, v and writes p, m, v (fp32)
 # A deferring cell's forward holds waits for the host: its device work is measured by its twin that
-# does not defer (same fetches, same compute).
+# does not defer (same fetches, same compute), with the same options.
 DEVICE_TWIN = {"hook_offload_overlap": "hook_offload"}
+
+
+def device_twin(strategy):
+    """The twin's name of a cell named without its precision: "hook_offload_overlap[resident=0]"
+    -> "hook_offload[resident=0]"; None where the strategy has none."""
+    base, bracket, rest = strategy.partition("[")
+    return DEVICE_TWIN[base] + bracket + rest if base in DEVICE_TWIN else None
 
 
 def host_bytes_per_param(r):
@@ -175,10 +182,16 @@ def host_busy_ms(r):
     return r.get("host_update_ms") or (None if deferred(r) else r["optimizer_ms"])
 
 
+def host_parameters(r):
+    """The parameters a host-stepped cell's optimizer pass updates: all of them, unless the cell
+    says fewer (hook_offload with units trained on the device)."""
+    return r.get("host_parameters") or r["parameters"]
+
+
 def host_pass_GBps(r):
     """The rate of a host-stepped cell's optimizer pass (None when its host time is unknown)."""
     busy = host_busy_ms(r)
-    return host_bytes_per_param(r) * r["parameters"] / (busy / 1e3) / 1e9 if busy else None
+    return host_bytes_per_param(r) * host_parameters(r) / (busy / 1e3) / 1e9 if busy else None
 
 
 def fastest_host_pass_GBps(rows):
@@ -216,22 +229,23 @@ def reference_speed(rs, peers, triad, fastest=0.0):
                    f"{HOST_BYTES_PER_PARAM} bytes per parameter, 30 where a bf16/fp16 travelling copy is written; "
                    "floor = max(device fwd+bwd, host pass at that bandwidth); host busy = the host's own time applying "
                    "the gradients per step (`host_update_ms`; the optimizer phase where a run lacks it), and the "
-                   "rate of its pass; a cell that defers updates takes its device fwd+bwd from the cell it defers "
-                   "against):\n")
-        out.append("| strata | parameters | host pass floor ms | host busy ms | host pass GB/s | device fwd+bwd ms | "
+                   "rate of its pass; host parameters = those the host steps, fewer than the model's where units "
+                   "train on the device; a cell that defers updates takes its device fwd+bwd from the cell it "
+                   "defers against, with the same options):\n")
+        out.append("| strata | host parameters | host pass floor ms | host busy ms | host pass GB/s | device fwd+bwd ms | "
                    "floor ms | step ms | step / floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in sorted(host, key=lambda r: r["strategy"]):
             nbytes = host_bytes_per_param(r)
-            host_ms = nbytes * r["parameters"] / (bandwidth * 1e9) * 1e3
+            host_ms = nbytes * host_parameters(r) / (bandwidth * 1e9) * 1e3
             busy = host_busy_ms(r)
             if deferred(r):
-                twin = mine.get(DEVICE_TWIN.get(plain(r["strategy"]), ""))
+                twin = mine.get(device_twin(plain(r["strategy"])) or "")
                 device = twin["fwd_bwd_ms"] if twin and not deferred(twin) else None
             else:
                 device = r["fwd_bwd_ms"]
             floor = max(device or 0.0, host_ms)
             rate = f"{host_pass_GBps(r):.1f}" if busy else "—"
-            out.append(f"| {r['strategy']} | {r['parameters']:,.0f} | {host_ms:.1f} | "
+            out.append(f"| {r['strategy']} | {host_parameters(r):,.0f} | {host_ms:.1f} | "
                        f"{f'{busy:.1f}' if busy else '—'} | {rate} | {f'{device:.1f}' if device else '—'} | "
                        f"{floor:.1f} | {r['real_time']:.1f} | {r['real_time'] / floor:.2f} |")
     return out

@@ -41,6 +41,9 @@ struct Stats {
   /// fp16's unscaling), counted from the moment the gradients had landed. Set against the step
   /// time, how busy the host optimizer was (and, against its bytes, at what rate).
   double host_update_ms = 0.0;
+  /// Trainable parameters whose update runs on the host, where the strategy counts them
+  /// (hook_offload: all but those of units trained on the device); 0 where it does not.
+  int64_t host_stepped_parameters = 0;
   std::map<std::string, DeviceMemory> devices;  ///< by device name ("cuda:0", "cpu")
 };
 

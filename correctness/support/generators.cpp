@@ -306,12 +306,12 @@ rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vec
 
 const std::map<std::string, StrategyTraits>& strategy_traits() {
   static const std::map<std::string, StrategyTraits> all = {
-      {"hook_offload", {hook_offload_options(true, true), {}}},
-      {"hook_offload_overlap", {hook_offload_options(true, false), {}}},
-      {"hook_offload_sync", {hook_offload_options(false, false), {}}},
-      {"manual_split", {manual_split_options, {}}},
-      {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},
-      {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true}},
+      {"hook_offload", {hook_offload_options(true, true), {}, false, {}}},
+      {"hook_offload_overlap", {hook_offload_options(true, false), {}, false, {}}},
+      {"hook_offload_sync", {hook_offload_options(false, false), {}, false, {}}},
+      {"manual_split", {manual_split_options, {}, false, {}}},
+      {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},
+      {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},
       {"pipeline_gpipe", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
       {"pipeline_1f1b", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
       {"pipeline_interleaved", {pipeline_options(true), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},

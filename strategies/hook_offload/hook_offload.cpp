@@ -980,6 +980,8 @@ Stats HookOffload::stats() {
   s.skipped_steps = scaler_.skipped_steps();
   s.fetches_behind_host_updates = fetches_behind_updates_;
   s.host_update_ms = static_cast<double>(host_update_ns_) / 1e6;
+  for (const auto& unit : units_)
+    if (!unit.on_device()) s.host_stepped_parameters += unit.trainable_numel;
   auto& mem = s.devices[config_.device.str()];
   mem.resident_param_bytes = resident_bytes_;
   mem.peak_param_bytes = peak_bytes_;
