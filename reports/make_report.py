@@ -230,7 +230,8 @@ def reference_speed(rs, peers, triad, fastest=0.0):
                    "floor = max(device fwd+bwd, host pass at that bandwidth); host busy = the host's own time applying "
                    "the gradients per step (`host_update_ms`; the optimizer phase where a run lacks it), and the "
                    "rate of its pass; host parameters = those the host steps, fewer than the model's where units "
-                   "train on the device; a cell that defers updates takes its device fwd+bwd from the cell it "
+                   "train on the device ((model's): the cell does not count them, so every parameter is taken); "
+                   "a cell that defers updates takes its device fwd+bwd from the cell it "
                    "defers against, with the same options):\n")
         out.append("| strata | host parameters | host pass floor ms | host busy ms | host pass GB/s | device fwd+bwd ms | "
                    "floor ms | step ms | step / floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -245,7 +246,8 @@ def reference_speed(rs, peers, triad, fastest=0.0):
                 device = r["fwd_bwd_ms"]
             floor = max(device or 0.0, host_ms)
             rate = f"{host_pass_GBps(r):.1f}" if busy else "—"
-            out.append(f"| {r['strategy']} | {host_parameters(r):,.0f} | {host_ms:.1f} | "
+            counted = f"{host_parameters(r):,.0f}" + ("" if r.get("host_parameters") else " (model's)")
+            out.append(f"| {r['strategy']} | {counted} | {host_ms:.1f} | "
                        f"{f'{busy:.1f}' if busy else '—'} | {rate} | {f'{device:.1f}' if device else '—'} | "
                        f"{floor:.1f} | {r['real_time']:.1f} | {r['real_time'] / floor:.2f} |")
     return out
