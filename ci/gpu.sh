@@ -144,12 +144,22 @@ echo "ci/gpu.sh: benchmark matrix"
   --benchmark_out="$outdir/bench.json" --benchmark_out_format=json > "$outdir/bench.txt" 2>&1 || status=1
 tail -n 20 "$outdir/bench.txt"
 bench_command="strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-}"
+# One GPU, options beyond the defaults: hook_offload with the tied embedding and blocks 1 and 2 of
+# gpt-871m trained on the device, and its overlapped twin (the report's host table takes the
+# twin's device time for the overlapped cell's floor; bench/NOTES.md, "Units trained on the
+# device against their own floor"). New cells are listed, not gated, until a baseline has them.
+peak=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["peak_tflops"])' "$outdir/bench.json")
+resident_cell="--models=gpt-871m --strategies=hook_offload,hook_offload_overlap --options=resident=0,1,2,17;resident_updates=device"
+read -r -a cell_args <<< "$resident_cell"
+./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
+  --benchmark_out="$outdir/bench-resident.json" --benchmark_out_format=json > "$outdir/bench-resident.txt" 2>&1 || status=1
+grep -E "^hook_offload.*median" "$outdir/bench-resident.txt" | cut -c1-160 || true
+merge_into "$outdir/bench.json" "$outdir/bench-resident.json" || status=1
+bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} $resident_cell"
 if [ "$gpu_count" -gt 1 ]; then
   echo "ci/gpu.sh: cells over two GPUs"
   wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/NOTES.md: one H200 trains at most 7,968,750
   two=cuda:0,cuda:1
-  # The matrix's measured matmul peak, so every cell's MFU has the same denominator.
-  peak=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["peak_tflops"])' "$outdir/bench.json")
   cells=(
     "gpt|--models=gpt-871m --strategies=manual_split --options=devices=$two"
     "seed|--models=bert-base-6m --batch=8 --strategies=baseline,manual_split --options=manual_split:devices=$two"

@@ -60,8 +60,15 @@ exec $python "\$@"
 EOF
 cat > "$work/repo/build/cuda/bench/strata_bench" <<EOF
 #!/bin/sh
-out=""; prec=fp32
-for a in "\$@"; do case \$a in --benchmark_out=*) out=\${a#--benchmark_out=};; --precision=*) prec=\${a#--precision=};; esac; done
+out=""; prec=fp32; opts=""
+for a in "\$@"; do case \$a in --benchmark_out=*) out=\${a#--benchmark_out=};; --precision=*) prec=\${a#--precision=};;
+  --options=*) opts=\${a#--options=};; esac; done
+if [ -n "\$opts" ]; then  # a cell with options beyond the defaults: one made-up row
+  echo "strata_bench \$prec options" >> "$work/calls"
+  printf '{"context": {}, "benchmarks": [%s]}' \
+    "{\"name\": \"hook_offload_overlap[\$opts]/gpt-871m/iterations:5/manual_time\", \"run_type\": \"iteration\", \"real_time\": 290, \"fwd_bwd_ms\": 280, \"optimizer_ms\": 10, \"items_per_second\": 28, \"peak_allocated_bytes\": 9e9, \"parity_ok\": 1}" > "\$out"
+  exit 0
+fi
 echo "strata_bench \$prec" >> "$work/calls"
 src=$work/h200/bench.json; [ \$prec = bf16 ] && src=$work/h200-bf16/bench.json
 cp "\$src" "\$out"
@@ -74,7 +81,7 @@ job() { : > "$work/calls"; STRATA_GPU_PHASES=$1 bash "$work/repo/ci/gpu.sh" "$ou
 
 job matrix || { cat "$work/log"; fail "the matrix phase exited non-zero"; }
 [ -f "$out/matrix.done" ] || fail "the matrix phase left no matrix.done"
-[ "$(cat "$work/calls")" = "$(printf 'strata_bench fp32\npeers fp32 gpt-871m\npeers fp32 gpt-medium\npeers fp32 gpt-871m pp')" ] \
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench fp32\nstrata_bench fp32 options\npeers fp32 gpt-871m\npeers fp32 gpt-medium\npeers fp32 gpt-871m pp')" ] \
   || fail "the matrix phase ran: $(tr '\n' ',' < "$work/calls")"
 [ ! -e "$out/bench-bf16.json" ] || fail "the matrix phase ran the bf16 cells"
 
@@ -95,6 +102,9 @@ grep -qF "| pipeline_interleaved | torch_pp_interleaved[m=4;ranks=1] |" "$out/re
   || fail "the bf16 report lacks the pipeline peers"
 grep -qF "| pipeline_gpipe | torch_pp_looped_bfs[m=4;ranks=1] |" "$out/report-bf16/report.md" \
   || fail "the bf16 report lacks GPipe's one-rank peer"
+# The cell with units trained on the device, merged into the fp32 matrix and its report.
+grep -qF "| hook_offload_overlap[resident=0,1,2,17;resident_updates=device] |" "$out/report/report.md" \
+  || fail "the fp32 report lacks the cell with units trained on the device"
 [ "$(grep -c "fails, as it must" "$work/log")" = 4 ] || fail "the gate's self-test did not fail its four doctored copies"
 $python - "$out" <<'PY' || fail "the merged files are wrong"
 import json, sys
