@@ -148,14 +148,23 @@ bench_command="strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRA
 # gpt-871m trained on the device, and its overlapped twin (the report's host table takes the
 # twin's device time for the overlapped cell's floor; bench/NOTES.md, "Units trained on the
 # device against their own floor"). New cells are listed, not gated, until a baseline has them.
+# The matrix's measured matmul peak, so every cell's MFU has the same denominator.
 peak=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["peak_tflops"])' "$outdir/bench.json")
-resident_cell="--models=gpt-871m --strategies=hook_offload,hook_offload_overlap --options=resident=0,1,2,17;resident_updates=device"
-read -r -a cell_args <<< "$resident_cell"
-./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
-  --benchmark_out="$outdir/bench-resident.json" --benchmark_out_format=json > "$outdir/bench-resident.txt" 2>&1 || status=1
-grep -E "^hook_offload.*median" "$outdir/bench-resident.txt" | cut -c1-160 || true
+# extra_cells JSON ARGS SHOWN: one strata_bench invocation beyond the matrix (ARGS: its own
+# arguments), its JSON in JSON and its log beside it, the log's rows matching SHOWN printed, its
+# command added to the report's.
+extra_cells() {
+  local json=$1 args=$2 shown=$3 cell_args
+  read -r -a cell_args <<< "$args"
+  ./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
+    --benchmark_out="$json" --benchmark_out_format=json > "${json%.json}.txt" 2>&1 || status=1
+  grep -E "$shown" "${json%.json}.txt" | cut -c1-160 || true
+  bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} $args"
+}
+extra_cells "$outdir/bench-resident.json" \
+  "--models=gpt-871m --strategies=hook_offload,hook_offload_overlap --options=resident=0,1,2,17;resident_updates=device" \
+  "^hook_offload.*median"
 merge_into "$outdir/bench.json" "$outdir/bench-resident.json" || status=1
-bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} $resident_cell"
 if [ "$gpu_count" -gt 1 ]; then
   echo "ci/gpu.sh: cells over two GPUs"
   wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/NOTES.md: one H200 trains at most 7,968,750
@@ -170,12 +179,8 @@ if [ "$gpu_count" -gt 1 ]; then
   cell_files=()
   for cell in "${cells[@]}"; do
     tag=${cell%%|*}
-    read -r -a cell_args <<< "${cell#*|}"
-    ./build/cuda/bench/strata_bench --device=cuda:0 --peak-tflops="$peak" --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} "${cell_args[@]}" \
-      --benchmark_out="$outdir/bench-2gpu-$tag.json" --benchmark_out_format=json > "$outdir/bench-2gpu-$tag.txt" 2>&1 || status=1
-    grep -E "^(baseline|manual_split)" "$outdir/bench-2gpu-$tag.txt" | cut -c1-160
+    extra_cells "$outdir/bench-2gpu-$tag.json" "${cell#*|}" "^(baseline|manual_split)"
     cell_files+=("$outdir/bench-2gpu-$tag.json")
-    bench_command+="; strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-} ${cell#*|}"
   done
   # The sharded strategy over every GPU, one rank each (time: the slowest rank; peak: per rank).
   echo "ci/gpu.sh: sharded over $gpu_count GPUs"

@@ -100,8 +100,9 @@ namespace {
 // hook_offload's own choices: activations kept or recomputed, last block merged or not, and
 // sometimes one or two blocks kept resident (half the time trained on the device: the units only
 // they use keep masters, gradients and optimizer state there; half the time recomputed), a longer
-// lead of the host over the device, or (`with_opening`, plain mode only) a window count fetched by the optimizer step for the next forward, up to one
-// more than the model has, or `fit` (as many as the device memory of the last backward holds);
+// lead of the host over the device, or (`with_opening`, plain mode only) a window count fetched by
+// the optimizer step for the next forward, up to one more than the model has, or `fit` (as many as
+// the device memory of the last backward holds);
 // shared units carried between their forward uses or fetched again;
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
