@@ -47,6 +47,32 @@ TEST(Device, injected_copy_delay_is_applied_and_restored) {
   EXPECT_EQ(dst.sum().item<float>(), 16.0f);
 }
 
+// Gradients go to the host piece by piece: each part lands in its own slice, in order, from
+// the destination's start; the rest of the destination is untouched; the parts count as one
+// transfer (one injected delay); parts that do not fit are refused before anything is queued.
+TEST(Device, copied_parts_land_in_consecutive_slices_as_one_transfer) {
+  const auto dev = test::device();
+  auto side = device::Stream::side(dev);
+  const auto on_dev = torch::TensorOptions().dtype(torch::kFloat).device(dev);
+  std::vector<torch::Tensor> parts{torch::arange(0, 3, on_dev), torch::arange(10, 11, on_dev),
+                                   torch::arange(20, 24, on_dev)};
+  auto dst = device::host_buffer({10}, torch::kFloat, dev).fill_(-1.0f);
+  {
+    device::ScopedDelays delays({100ms, 0ms});
+    const auto start = std::chrono::steady_clock::now();
+    side.copy_parts(dst, parts);
+    side.synchronize();
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(took, 90ms);
+    EXPECT_LT(took, 250ms) << "three parts were delayed as three transfers";
+  }
+  const std::vector<float> expected{0, 1, 2, 10, 20, 21, 22, 23, -1, -1};
+  EXPECT_TRUE(torch::equal(dst, torch::tensor(expected))) << dst;
+  auto small = device::host_buffer({7}, torch::kFloat, dev);
+  EXPECT_THROW(side.copy_parts(small, parts), strata::Error);
+  EXPECT_THROW(side.copy_parts(small, {torch::zeros({2, 2}, on_dev)}), strata::Error);
+}
+
 TEST(Device, a_held_side_stream_runs_nothing_until_its_gate_opens) {
   const auto dev = test::device();
   auto side = device::Stream::side(dev);

@@ -198,6 +198,15 @@ void copy_now(const torch::Tensor& dst, const torch::Tensor& src) {
   dst.copy_(src);
 }
 
+void copy_parts_now(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& part : parts) {
+    dst.narrow(0, offset, part.numel()).copy_(part);
+    offset += part.numel();
+  }
+}
+
 // Compute on the CPU runs in the calling thread, so this "stream" does its work immediately.
 class CpuComputeStream : public StreamImpl {
  public:
@@ -205,6 +214,10 @@ class CpuComputeStream : public StreamImpl {
   void copy(const torch::Tensor& dst, const torch::Tensor& src) override {
     delay(injected_delays().copy);
     copy_now(dst, src);
+  }
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+    delay(injected_delays().copy);
+    copy_parts_now(dst, parts);
   }
   std::shared_ptr<EventImpl> record() override { return completed_event(); }
   void wait(const std::shared_ptr<EventImpl>& event) override {
@@ -234,6 +247,13 @@ class CpuSideStream : public StreamImpl {
     queue_.submit([dst, src, d] {
       if (d.count() > 0) std::this_thread::sleep_for(d);
       copy_now(dst, src);
+    });
+  }
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+    const auto d = injected_delays().copy;
+    queue_.submit([dst, parts, d] {
+      if (d.count() > 0) std::this_thread::sleep_for(d);
+      copy_parts_now(dst, parts);
     });
   }
   std::shared_ptr<EventImpl> record() override {
@@ -283,6 +303,17 @@ Stream Stream::side(const torch::Device& device) {
 
 const torch::Device& Stream::device() const { return impl_->device(); }
 void Stream::copy(const torch::Tensor& dst, const torch::Tensor& src) { impl_->copy(dst, src); }
+void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {
+  STRATA_CHECK(dst.dim() == 1, "Stream::copy_parts: the destination has " << dst.dim() << " dimensions, not 1");
+  int64_t total = 0;
+  for (const auto& part : parts) {
+    STRATA_CHECK(part.dim() == 1, "Stream::copy_parts: a part has " << part.dim() << " dimensions, not 1");
+    total += part.numel();
+  }
+  STRATA_CHECK(total <= dst.numel(),
+               "Stream::copy_parts: the parts hold " << total << " elements, the destination " << dst.numel());
+  impl_->copy_parts(dst, parts);
+}
 Event Stream::record() { return Event(impl_->record()); }
 void Stream::wait(const Event& event) { impl_->wait(event.impl()); }
 void Stream::synchronize() { impl_->synchronize(); }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace strata::device {
 
@@ -148,6 +149,10 @@ class Stream {
   const torch::Device& device() const;
   /// Queues dst.copy_(src) behind everything queued so far; returns at once on side streams.
   void copy(const torch::Tensor& dst, const torch::Tensor& src);
+  /// Queues the copies of `parts` (1-D) into consecutive slices of the 1-D `dst`, from its start, as
+  /// one transfer (one injected copy delay): pieces sent where they belong, with no gathering
+  /// kernel on the device first. Their sizes must add up to at most dst's.
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts);
   /// Queues an event and returns it.
   Event record();
   /// Makes later work on this stream wait for `event` (blocks the host only on CPU compute).
@@ -215,6 +220,8 @@ class StreamImpl {
   virtual ~StreamImpl() = default;
   virtual const torch::Device& device() const = 0;
   virtual void copy(const torch::Tensor& dst, const torch::Tensor& src) = 0;
+  /// Checked by Stream::copy_parts: parts 1-D, their sizes within dst's.
+  virtual void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) = 0;
   virtual std::shared_ptr<EventImpl> record() = 0;
   virtual void wait(const std::shared_ptr<EventImpl>& event) = 0;
   virtual void synchronize() = 0;

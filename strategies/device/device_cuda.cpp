@@ -37,6 +37,16 @@ class CudaStream : public StreamImpl {
     torch::NoGradGuard no_grad;
     dst.copy_(src, /*non_blocking=*/true);
   }
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+    c10::cuda::CUDAStreamGuard guard(stream_);
+    delay(injected_delays().copy);
+    torch::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (const auto& part : parts) {
+      dst.narrow(0, offset, part.numel()).copy_(part, /*non_blocking=*/true);
+      offset += part.numel();
+    }
+  }
   std::shared_ptr<EventImpl> record() override { return std::make_shared<CudaEvent>(stream_); }
   void wait(const std::shared_ptr<EventImpl>& event) override {
     if (event) static_cast<CudaEvent&>(*event).block(stream_);

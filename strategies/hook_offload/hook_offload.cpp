@@ -467,8 +467,10 @@ void HookOffload::after_compute(int64_t block, bool backward) {
 }
 
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
-  // grads follow the block's parameters() order; gather them per unit into one flat buffer and
-  // send each to the host as one copy, queued behind the compute that produced it.
+  // grads follow the block's parameters() order. Each unit's go to the host in its flat order:
+  // copied piece by piece straight into their slices of the host buffer (no gathering kernel on the
+  // compute stream), or gathered into one flat tensor where the device needs it whole (a sum, the
+  // touched rows, an update on the device).
   const auto& params = model().parameters();
   std::unordered_map<const void*, torch::Tensor> grad_of;
   auto block_params = model().blocks()[block]->parameters();
@@ -476,23 +478,23 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing goes back, nothing to update
+    // Fresh autograd results, read by the device sum (compute stream) or by the copies (marked in
+    // use by the copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
+    // compute-dtype ones are widened first.
     std::vector<torch::Tensor> parts;
     for (auto p : unit.params) {
       const auto& t = params[p].tensor;
       if (!t.requires_grad()) break;  // the frozen tail
       auto g = grad_of.at(t.unsafeGetTensorImpl());
-      parts.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options()));
+      g = g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options().dtype(torch::kFloat));
+      parts.push_back(g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat));
     }
-    // A fresh autograd result, read by the device sum (compute stream) or by the copy (marked in
-    // use by the copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
-    // compute-dtype ones are widened first.
-    auto flat = parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
-    if (flat.scalar_type() != torch::kFloat) flat = flat.to(torch::kFloat);
+    auto whole = [&parts] { return parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts); };
     if (--unit.pending_users > 0) {
       if (unit.rows > 0 && !unit.grad_filled) {
         // The first of a tied matrix's two uses (the head's, in the GPT): sent now, behind the rest
         // of backward, rather than held for the last use, which then sends only its touched rows.
-        send_gradient(unit, flat);
+        send_gradient(unit, parts);
         unit.first_use_sent = true;
         continue;
       }
@@ -500,15 +502,15 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       // (as autograd adds a tied parameter's, in the same order) and travel once, at the last use.
       // One copy instead of one per use, and no sum for the host to run; the cost is the unit's
       // gradient held on the device until then.
-      unit.device_grad = unit.device_grad.defined() ? unit.device_grad + flat : flat;
+      unit.device_grad = unit.device_grad.defined() ? unit.device_grad + whole() : whole();
       continue;
     }
-    if (unit.device_grad.defined()) flat = std::exchange(unit.device_grad, torch::Tensor()) + flat;
+    if (unit.device_grad.defined()) parts = {std::exchange(unit.device_grad, torch::Tensor()) + whole()};
     if (unit.first_use_sent) {
-      send_rows(unit, flat);
+      send_rows(unit, whole());
       unit.first_use_sent = false;  // after: a send that throws leaves the failed step's reset to drop it
     } else {
-      send_gradient(unit, flat);
+      send_gradient(unit, parts);
     }
   }
 }
@@ -522,7 +524,7 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   if (2 * n > unit.rows) {
     // Dense after all (a matrix both of whose uses are dense, say): added on the host in full, and
     // from the next step on summed on the device and sent once, which costs less.
-    send_gradient(unit, flat);
+    send_gradient(unit, {flat});
     unit.rows = 0;
     return;
   }
@@ -564,11 +566,12 @@ void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
   });
 }
 
-void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
+void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts) {
   if (unit.on_device()) {
     // Nothing travels: the gradient stays where its update runs, summed over micro-batches there.
     STRATA_CHECK(!unit.grad_filled || !options_.overlap_optimizer,
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
+    auto flat = parts.size() == 1 ? parts[0] : torch::cat(parts);
     unit.device_grad_sum = unit.grad_filled ? unit.device_grad_sum + flat : flat;
     unit.grad_filled = true;
     if (options_.overlap_optimizer) update_on_device(unit);  // behind this block's backward on the stream
@@ -576,10 +579,12 @@ void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
   }
   auto produced = compute_.record();
   d2h_.wait(produced);
-  d2h_.keep_alive(flat);
-  bytes_d2h_ += flat.nbytes();
+  for (const auto& part : parts) {
+    d2h_.keep_alive(part);
+    bytes_d2h_ += part.nbytes();
+  }
   if (!unit.grad_filled) {
-    d2h_.copy(unit.host_grad, flat);
+    d2h_.copy_parts(unit.host_grad, parts);
     unit.grad_filled = true;
   } else {
     // Another micro-batch's gradient (accumulation): added on the host once it lands. Not in
@@ -587,7 +592,7 @@ void HookOffload::send_gradient(Unit& unit, const torch::Tensor& flat) {
     STRATA_CHECK(!options_.overlap_optimizer,
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
     auto staging = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
-    d2h_.copy(staging, flat);
+    d2h_.copy_parts(staging, parts);
     add_on_host(d2h_.record(), [staging, grad = unit.host_grad] { grad.add_(staging); });
   }
   last_copy_ = d2h_.record();

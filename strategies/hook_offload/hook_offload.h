@@ -178,9 +178,10 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);
-  /// Sends a unit's gradient of this step (all its uses summed) to its host buffer, or to be added
-  /// there (another micro-batch's); in overlap mode the unit's update is queued behind it.
-  void send_gradient(Unit& unit, const torch::Tensor& flat);
+  /// Sends a unit's gradient of this step (all its uses summed; `parts`, fp32 and 1-D, make up its
+  /// flat trainable prefix in order) to its host buffer, or to be added there (another
+  /// micro-batch's); in overlap mode the unit's update is queued behind it.
+  void send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
   /// The last use of a tied matrix whose first use was sent already: its rows that are not all
   /// zero, with their indices, added on the host (or all of it when more than half are touched).
   void send_rows(Unit& unit, const torch::Tensor& flat);
