@@ -48,17 +48,19 @@ TEST(Device, injected_copy_delay_is_applied_and_restored) {
 }
 
 // Gradients go to the host piece by piece: each part lands in its own slice, in order, from
-// the destination's start; the rest of the destination is untouched; the parts count as one
-// transfer (one injected delay); parts that do not fit are refused before anything is queued.
+// the destination's start; the parts count as one transfer (one injected delay); parts that do
+// not fill the destination exactly, or are not 1-D, are refused before anything is queued.
 TEST(Device, copied_parts_land_in_consecutive_slices_as_one_transfer) {
   const auto dev = test::device();
   auto side = device::Stream::side(dev);
+  auto compute = device::Stream::compute(dev);
   const auto on_dev = torch::TensorOptions().dtype(torch::kFloat).device(dev);
   std::vector<torch::Tensor> parts{torch::arange(0, 3, on_dev), torch::arange(10, 11, on_dev),
                                    torch::arange(20, 24, on_dev)};
-  auto dst = device::host_buffer({10}, torch::kFloat, dev).fill_(-1.0f);
+  auto dst = device::host_buffer({8}, torch::kFloat, dev).fill_(-1.0f);
   {
     device::ScopedDelays delays({100ms, 0ms});
+    side.wait(compute.record());  // the parts are made on the compute stream
     const auto start = std::chrono::steady_clock::now();
     side.copy_parts(dst, parts);
     side.synchronize();
@@ -66,11 +68,13 @@ TEST(Device, copied_parts_land_in_consecutive_slices_as_one_transfer) {
     EXPECT_GE(took, 90ms);
     EXPECT_LT(took, 250ms) << "three parts were delayed as three transfers";
   }
-  const std::vector<float> expected{0, 1, 2, 10, 20, 21, 22, 23, -1, -1};
+  const std::vector<float> expected{0, 1, 2, 10, 20, 21, 22, 23};
   EXPECT_TRUE(torch::equal(dst, torch::tensor(expected))) << dst;
   auto small = device::host_buffer({7}, torch::kFloat, dev);
-  EXPECT_THROW(side.copy_parts(small, parts), strata::Error);
-  EXPECT_THROW(side.copy_parts(small, {torch::zeros({2, 2}, on_dev)}), strata::Error);
+  auto large = device::host_buffer({9}, torch::kFloat, dev);
+  EXPECT_THROW(side.copy_parts(small, parts), strata::Error) << "parts that do not fit";
+  EXPECT_THROW(side.copy_parts(large, parts), strata::Error) << "parts that leave the destination's end unwritten";
+  EXPECT_THROW(side.copy_parts(dst, {torch::zeros({2, 4}, on_dev)}), strata::Error) << "a part that is not 1-D";
 }
 
 TEST(Device, a_held_side_stream_runs_nothing_until_its_gate_opens) {

@@ -192,7 +192,7 @@ TEST(HookOffload, nothing_offloaded_stays_on_the_device_after_forward_backward_a
       EXPECT_EQ(s->references_held(), 0) << "after backward, " << where;
       if (dev.is_cuda()) {
         // Not only by the strategy's own count: the allocator holds nothing more than at rest once
-        // the gradients are on their way (their flat buffers are freed when their copies finish).
+        // the gradients are on their way (the gradient tensors are freed when their copies finish).
         s->finish_backward();
         device::synchronize(dev);
         EXPECT_EQ(device::allocator_stats(dev).allocated, allocated_at_rest) << "after backward, " << where;

@@ -310,7 +310,7 @@ void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tenso
     STRATA_CHECK(part.dim() == 1, "Stream::copy_parts: a part has " << part.dim() << " dimensions, not 1");
     total += part.numel();
   }
-  STRATA_CHECK(total <= dst.numel(),
+  STRATA_CHECK(total == dst.numel(),
                "Stream::copy_parts: the parts hold " << total << " elements, the destination " << dst.numel());
   impl_->copy_parts(dst, parts);
 }

@@ -150,8 +150,8 @@ class Stream {
   /// Queues dst.copy_(src) behind everything queued so far; returns at once on side streams.
   void copy(const torch::Tensor& dst, const torch::Tensor& src);
   /// Queues the copies of `parts` (1-D) into consecutive slices of the 1-D `dst`, from its start, as
-  /// one transfer (one injected copy delay): pieces sent where they belong, with no gathering
-  /// kernel on the device first. Their sizes must add up to at most dst's.
+  /// one transfer (one injected copy delay): pieces sent where they belong, not concatenated on
+  /// the device first. Their sizes must add up to dst's.
   void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts);
   /// Queues an event and returns it.
   Event record();
@@ -220,7 +220,7 @@ class StreamImpl {
   virtual ~StreamImpl() = default;
   virtual const torch::Device& device() const = 0;
   virtual void copy(const torch::Tensor& dst, const torch::Tensor& src) = 0;
-  /// Checked by Stream::copy_parts: parts 1-D, their sizes within dst's.
+  /// Checked by Stream::copy_parts: parts 1-D, their sizes adding up to dst's.
   virtual void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) = 0;
   virtual std::shared_ptr<EventImpl> record() = 0;
   virtual void wait(const std::shared_ptr<EventImpl>& event) = 0;

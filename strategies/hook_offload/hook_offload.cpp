@@ -467,10 +467,10 @@ void HookOffload::after_compute(int64_t block, bool backward) {
 }
 
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
-  // grads follow the block's parameters() order. Each unit's go to the host in its flat order:
-  // copied piece by piece straight into their slices of the host buffer (no gathering kernel on the
-  // compute stream), or gathered into one flat tensor where the device needs it whole (a sum, the
-  // touched rows, an update on the device).
+  // grads follow the block's parameters() order. A unit's gradients go to the host in its flat
+  // order, each copied straight into its slice of the host buffer (no concatenation on the compute
+  // stream first). They are concatenated only where the device needs them as one tensor: a unit
+  // of several parameters trained on the device.
   const auto& params = model().parameters();
   std::unordered_map<const void*, torch::Tensor> grad_of;
   auto block_params = model().blocks()[block]->parameters();
@@ -478,8 +478,9 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing goes back, nothing to update
-    // Fresh autograd results, read by the device sum (compute stream) or by the copies (marked in
-    // use by the copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
+    // Autograd's results (or views of them, or zeros for a parameter the block left without a
+    // gradient), read by the device sum (compute stream) or by the copies (marked in use by the
+    // copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
     // compute-dtype ones are widened first.
     std::vector<torch::Tensor> parts;
     for (auto p : unit.params) {
@@ -577,6 +578,11 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
     if (options_.overlap_optimizer) update_on_device(unit);  // behind this block's backward on the stream
     return;
   }
+  int64_t numel = 0;
+  for (const auto& part : parts) numel += part.numel();
+  // All of it: a short set would leave the rest of the buffer holding an earlier step's values.
+  STRATA_CHECK(numel == unit.trainable_numel, name_ << ": a unit's gradient has " << numel << " elements, its "
+                                                    << unit.trainable_numel << " trainable parameters (internal error)");
   auto produced = compute_.record();
   d2h_.wait(produced);
   for (const auto& part : parts) {
