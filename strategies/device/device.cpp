@@ -198,15 +198,6 @@ void copy_now(const torch::Tensor& dst, const torch::Tensor& src) {
   dst.copy_(src);
 }
 
-void copy_parts_now(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {
-  torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (const auto& part : parts) {
-    dst.narrow(0, offset, part.numel()).copy_(part);
-    offset += part.numel();
-  }
-}
-
 // Compute on the CPU runs in the calling thread, so this "stream" does its work immediately.
 class CpuComputeStream : public StreamImpl {
  public:
@@ -217,7 +208,7 @@ class CpuComputeStream : public StreamImpl {
   }
   void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
     delay(injected_delays().copy);
-    copy_parts_now(dst, parts);
+    detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
   }
   std::shared_ptr<EventImpl> record() override { return completed_event(); }
   void wait(const std::shared_ptr<EventImpl>& event) override {
@@ -253,7 +244,7 @@ class CpuSideStream : public StreamImpl {
     const auto d = injected_delays().copy;
     queue_.submit([dst, parts, d] {
       if (d.count() > 0) std::this_thread::sleep_for(d);
-      copy_parts_now(dst, parts);
+      detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
     });
   }
   std::shared_ptr<EventImpl> record() override {
@@ -303,6 +294,15 @@ Stream Stream::side(const torch::Device& device) {
 
 const torch::Device& Stream::device() const { return impl_->device(); }
 void Stream::copy(const torch::Tensor& dst, const torch::Tensor& src) { impl_->copy(dst, src); }
+void detail::copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts, bool non_blocking) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& part : parts) {
+    dst.narrow(0, offset, part.numel()).copy_(part, non_blocking);
+    offset += part.numel();
+  }
+}
+
 void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {
   STRATA_CHECK(dst.dim() == 1, "Stream::copy_parts: the destination has " << dst.dim() << " dimensions, not 1");
   int64_t total = 0;

@@ -232,6 +232,8 @@ class StreamImpl {
 };
 
 namespace detail {
+/// dst's consecutive slices, from its start, take the parts in turn (what copy_parts queues).
+void copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts, bool non_blocking);
 std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device);
 std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device);
 AllocatorStats cuda_allocator_stats(const torch::Device& device);

@@ -40,12 +40,7 @@ class CudaStream : public StreamImpl {
   void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
     c10::cuda::CUDAStreamGuard guard(stream_);
     delay(injected_delays().copy);
-    torch::NoGradGuard no_grad;
-    int64_t offset = 0;
-    for (const auto& part : parts) {
-      dst.narrow(0, offset, part.numel()).copy_(part, /*non_blocking=*/true);
-      offset += part.numel();
-    }
+    detail::copy_parts_into(dst, parts, /*non_blocking=*/true);
   }
   std::shared_ptr<EventImpl> record() override { return std::make_shared<CudaEvent>(stream_); }
   void wait(const std::shared_ptr<EventImpl>& event) override {

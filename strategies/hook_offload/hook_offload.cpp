@@ -466,6 +466,13 @@ void HookOffload::after_compute(int64_t block, bool backward) {
   drop_window(block, !backward);
 }
 
+namespace {
+/// A unit's gradient parts (1-D) as one contiguous tensor: the part itself when there is one.
+torch::Tensor as_one_tensor(const std::vector<torch::Tensor>& parts) {
+  return parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts);
+}
+}  // namespace
+
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
   // grads follow the block's parameters() order. A unit's gradients go to the host in its flat
   // order, each copied straight into its slice of the host buffer (no concatenation on the compute
@@ -490,7 +497,6 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       g = g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options().dtype(torch::kFloat));
       parts.push_back(g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat));
     }
-    auto whole = [&parts] { return parts.size() == 1 ? parts[0].contiguous() : torch::cat(parts); };
     if (--unit.pending_users > 0) {
       if (unit.rows > 0 && !unit.grad_filled) {
         // The first of a tied matrix's two uses (the head's, in the GPT): sent now, behind the rest
@@ -503,12 +509,12 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       // (as autograd adds a tied parameter's, in the same order) and travel once, at the last use.
       // One copy instead of one per use, and no sum for the host to run; the cost is the unit's
       // gradient held on the device until then.
-      unit.device_grad = unit.device_grad.defined() ? unit.device_grad + whole() : whole();
+      unit.device_grad = unit.device_grad.defined() ? unit.device_grad + as_one_tensor(parts) : as_one_tensor(parts);
       continue;
     }
-    if (unit.device_grad.defined()) parts = {std::exchange(unit.device_grad, torch::Tensor()) + whole()};
+    if (unit.device_grad.defined()) parts = {std::exchange(unit.device_grad, torch::Tensor()) + as_one_tensor(parts)};
     if (unit.first_use_sent) {
-      send_rows(unit, whole());
+      send_rows(unit, as_one_tensor(parts));
       unit.first_use_sent = false;  // after: a send that throws leaves the failed step's reset to drop it
     } else {
       send_gradient(unit, parts);
@@ -572,17 +578,12 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
     // Nothing travels: the gradient stays where its update runs, summed over micro-batches there.
     STRATA_CHECK(!unit.grad_filled || !options_.overlap_optimizer,
                  name_ << ": a second gradient of one step reached an overlapped update (internal error)");
-    auto flat = parts.size() == 1 ? parts[0] : torch::cat(parts);
+    auto flat = as_one_tensor(parts);
     unit.device_grad_sum = unit.grad_filled ? unit.device_grad_sum + flat : flat;
     unit.grad_filled = true;
     if (options_.overlap_optimizer) update_on_device(unit);  // behind this block's backward on the stream
     return;
   }
-  int64_t numel = 0;
-  for (const auto& part : parts) numel += part.numel();
-  // All of it: a short set would leave the rest of the buffer holding an earlier step's values.
-  STRATA_CHECK(numel == unit.trainable_numel, name_ << ": a unit's gradient has " << numel << " elements, its "
-                                                    << unit.trainable_numel << " trainable parameters (internal error)");
   auto produced = compute_.record();
   d2h_.wait(produced);
   for (const auto& part : parts) {
@@ -590,6 +591,8 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
     bytes_d2h_ += part.nbytes();
   }
   if (!unit.grad_filled) {
+    // copy_parts refuses parts that do not fill the buffer: a short gradient would leave an earlier
+    // step's values in the rest.
     d2h_.copy_parts(unit.host_grad, parts);
     unit.grad_filled = true;
   } else {
