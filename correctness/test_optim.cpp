@@ -94,6 +94,115 @@ TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
       }
 }
 
+// optimizer_update_into takes the same step as optimizer_update, from one buffer into another: the
+// overlapped hook_offload takes a tied matrix's step from its first use's gradient at once, into a
+// second buffer, then again from the same start for the rows its last use touched. Checked here
+// element for element against the in-place update (whose trajectory the tests above check against
+// LibTorch's): the whole tensor, the rows alone (the others keep what the first pass wrote), the
+// rounded copy, a first step from no state, and `from` left as it was.
+TEST(Optimizers, an_update_into_another_buffer_equals_the_in_place_one_whole_and_by_rows) {
+  for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw})
+    for (bool round : {false, true})
+      for (int warm : {0, 2}) {  // steps already taken: 0 starts from no state
+        const std::string where = std::string(kind == OptimizerKind::sgd ? "sgd" : "adamw") +
+                                  (round ? " rounded" : "") + " after " + std::to_string(warm) + " steps";
+        OptimizerConfig config;
+        config.kind = kind;
+        config.lr = 1e-2;
+        torch::manual_seed(11);
+        const int64_t rows = 512, cols = 1024;  // enough elements to be split over threads
+        auto param = torch::randn({rows, cols});
+        OptimizerState state;
+        for (int s = 0; s < warm; ++s) optimizer_update(config, param, torch::randn({rows, cols}), state);
+        const auto grad = torch::randn({rows, cols}), early = torch::randn({rows, cols});
+        const auto start = param.clone();
+        // The reference: in place, from a copy of the start.
+        auto expected = param.clone();
+        OptimizerState expected_state{state.exp_avg.defined() ? state.exp_avg.clone() : torch::Tensor(),
+                                      state.exp_avg_sq.defined() ? state.exp_avg_sq.clone() : torch::Tensor(), state.step};
+        auto expected_rounded = torch::empty({rows, cols}, torch::kBFloat16);
+        optimizer_update(config, expected, grad, expected_state, round ? expected_rounded : torch::Tensor());
+        // Whole, into another buffer.
+        auto to = torch::full({rows, cols}, 7.0f);
+        OptimizerState to_state;
+        auto rounded = torch::zeros({rows, cols}, torch::kBFloat16);
+        optimizer_update_into(config, param, state, grad, to, to_state, round ? rounded : torch::Tensor());
+        EXPECT_TRUE(torch::equal(to, expected)) << where << ": whole";
+        EXPECT_TRUE(torch::equal(to_state.exp_avg, expected_state.exp_avg)) << where << ": whole, first moment";
+        if (kind == OptimizerKind::adamw) {
+          EXPECT_TRUE(torch::equal(to_state.exp_avg_sq, expected_state.exp_avg_sq)) << where << ": whole, second moment";
+        }
+        EXPECT_EQ(to_state.step, warm + 1) << where;
+        if (round) {
+          EXPECT_TRUE(torch::equal(rounded, expected_rounded)) << where << ": whole, rounded";
+        }
+        EXPECT_TRUE(torch::equal(param, start)) << where << ": `from` was written";
+        // By rows: a first pass from another gradient, then the chosen rows again from the start.
+        auto speculative = torch::empty({rows, cols});
+        OptimizerState speculative_state;
+        optimizer_update_into(config, param, state, early, speculative, speculative_state);
+        auto again = torch::empty({rows, cols});
+        OptimizerState again_state;
+        auto again_rounded = torch::zeros({rows, cols}, torch::kBFloat16);
+        optimizer_update_into(config, param, state, early, again, again_state, round ? again_rounded : torch::Tensor());
+        const auto chosen = torch::randperm(rows, torch::kLong).narrow(0, 0, 100).contiguous();  // distinct, unsorted
+        optimizer_update_into(config, param, state, grad, again, again_state, round ? again_rounded : torch::Tensor(),
+                              chosen, cols);
+        auto is_chosen = torch::zeros({rows}, torch::kBool);
+        is_chosen.index_put_({chosen}, true);
+        const auto others = is_chosen.logical_not().nonzero().squeeze(1);
+        EXPECT_TRUE(torch::equal(again.index_select(0, chosen), expected.index_select(0, chosen))) << where << ": rows";
+        EXPECT_TRUE(torch::equal(again.index_select(0, others), speculative.index_select(0, others)))
+            << where << ": rows not chosen changed";
+        EXPECT_TRUE(torch::equal(again_state.exp_avg.index_select(0, chosen), expected_state.exp_avg.index_select(0, chosen)))
+            << where << ": rows, first moment";
+        EXPECT_TRUE(torch::equal(again_state.exp_avg.index_select(0, others), speculative_state.exp_avg.index_select(0, others)))
+            << where << ": rows not chosen, first moment changed";
+        if (kind == OptimizerKind::adamw) {
+          EXPECT_TRUE(
+              torch::equal(again_state.exp_avg_sq.index_select(0, chosen), expected_state.exp_avg_sq.index_select(0, chosen)))
+              << where << ": rows, second moment";
+          EXPECT_TRUE(
+              torch::equal(again_state.exp_avg_sq.index_select(0, others), speculative_state.exp_avg_sq.index_select(0, others)))
+              << where << ": rows not chosen, second moment changed";
+        }
+        if (round) {
+          EXPECT_TRUE(torch::equal(again_rounded.index_select(0, chosen), expected_rounded.index_select(0, chosen)))
+              << where << ": rows, rounded";
+          EXPECT_TRUE(torch::equal(again_rounded.index_select(0, others), speculative.index_select(0, others).to(torch::kBFloat16)))
+              << where << ": rows not chosen, rounded changed";
+        }
+        // The rows alone from no state at all (a first step whose rows pass runs first).
+        if (warm == 0) {
+          OptimizerState fresh, fresh_to;
+          auto only = torch::zeros({rows, cols});
+          optimizer_update_into(config, param, fresh, grad, only, fresh_to, {}, chosen, cols);
+          EXPECT_TRUE(torch::equal(only.index_select(0, chosen), expected.index_select(0, chosen))) << where << ": rows from no state";
+          EXPECT_EQ(fresh_to.step, 1) << where;
+        }
+        EXPECT_EQ(again_state.step, warm + 1) << where;
+        EXPECT_TRUE(torch::equal(param, start)) << where << ": `from` was written by the rows";
+        // The step really moved the chosen rows.
+        EXPECT_GT((again.index_select(0, chosen) - start.index_select(0, chosen)).abs().max().item<double>(), 1e-3) << where;
+      }
+}
+
+TEST(Optimizers, an_update_into_refuses_what_it_cannot_do) {
+  OptimizerConfig config;
+  config.kind = OptimizerKind::adamw;
+  auto a = torch::zeros({4, 3}), b = torch::zeros({4, 3}), g = torch::ones({4, 3});
+  OptimizerState sa, sb;
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, a, sb), std::exception);  // same buffer
+  auto wrong = torch::zeros({4, 2});
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, wrong, sb), std::exception);
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({4}, torch::kLong), 3), std::exception);
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({1}, torch::kLong), 5), std::exception);
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, b, sa), std::exception);  // one state for both
+  EXPECT_THROW(optimizer_update_into(config, a, sa, b, b, sb), std::exception);  // the gradient is written
+  EXPECT_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({1, 1}, torch::kLong), 3), std::exception);
+  EXPECT_NO_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({3, 0}, torch::kLong), 3));
+}
+
 // parallel_chunks hands its chunks to workers kept for the life of the process (ChunkWorkers);
 // host threads only, so the cuda run repeats the cpu one. Several threads calling it at once (a
 // host optimizer's queue beside a precision pass, ranks as threads) must each get every item of

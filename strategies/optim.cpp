@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 #include <sstream>
 
 #include "models/check.h"
@@ -47,6 +48,37 @@ bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {
 // is what bounds a host optimizer. Same formulas as the tensor chain below, in float.
 // Out: void, or the dtype of a rounded copy written in the same loop (c10::BFloat16, c10::Half:
 // their conversions from float are the ones copy_() uses).
+
+// One element's AdamW step (t = the step's number, from 1), in the order the loops below apply it.
+struct AdamwStep {
+  float decay, b1, b2, one_minus_b1, one_minus_b2, bias2, step_size, eps;
+  AdamwStep(const OptimizerConfig& c, int64_t step) {
+    const double t = static_cast<double>(step);
+    decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+    b1 = static_cast<float>(c.beta1);
+    b2 = static_cast<float>(c.beta2);
+    one_minus_b1 = static_cast<float>(1.0 - c.beta1);
+    one_minus_b2 = static_cast<float>(1.0 - c.beta2);
+    bias2 = static_cast<float>(1.0 - std::pow(c.beta2, t));
+    step_size = static_cast<float>(c.lr / (1.0 - std::pow(c.beta1, t)));
+    eps = static_cast<float>(c.eps);
+  }
+  /// Element i read from the `_in` buffers and written to the others (the same ones in place).
+  template <typename Out>
+  void apply(int64_t i, const float* p_in, const float* m_in, const float* v_in, const float* g, float* p, float* m,
+             float* v, Out* out) const {
+    const float gi = g[i];
+    const float mi = m_in[i] * b1 + gi * one_minus_b1;
+    const float vi = v_in[i] * b2 + gi * gi * one_minus_b2;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi / bias2) + eps;
+    const float pi = p_in[i] * decay - step_size * mi / denom;
+    p[i] = pi;
+    if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
+  }
+};
+
 template <typename Out>
 void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
                        OptimizerState& state, Out* out) {
@@ -75,25 +107,76 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
   }
   float* m = state.exp_avg.data_ptr<float>();
   float* v = state.exp_avg_sq.data_ptr<float>();
-  const double t = static_cast<double>(state.step);
-  const float decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
-  const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
-  const float one_minus_b1 = static_cast<float>(1.0 - c.beta1), one_minus_b2 = static_cast<float>(1.0 - c.beta2);
-  const float bias2 = static_cast<float>(1.0 - std::pow(c.beta2, t));
-  const float step_size = static_cast<float>(c.lr / (1.0 - std::pow(c.beta1, t)));
-  const float eps = static_cast<float>(c.eps);
+  const AdamwStep step(c, state.step);
   parallel_chunks(n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float gi = g[i];
-      const float mi = m[i] * b1 + gi * one_minus_b1;
-      const float vi = v[i] * b2 + gi * gi * one_minus_b2;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi / bias2) + eps;
-      const float pi = p[i] * decay - step_size * mi / denom;
-      p[i] = pi;
-      if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
-    }
+    for (int64_t i = begin; i < end; ++i) step.apply(i, p, m, v, g, p, m, v, out);
+  });
+}
+
+// optimizer_update_into's spans: `n` elements read from the `_in` buffers and written to the
+// others. The buffers never overlap (optimizer_update_into checks `from` and `to`, and the states
+// are separate tensors); saying so lets the compiler vectorize the loop, which it does not
+// otherwise for this many pointers. AdamW's element step is AdamwStep::apply, which the in-place
+// loop calls with the same buffers as input and output, so its own parameters cannot say it; the
+// loop does instead (ivdep).
+template <typename Out>
+void sgd_span(float momentum, float lr, bool first, const float* __restrict__ p_in, const float* __restrict__ buf_in,
+              const float* __restrict__ g, float* __restrict__ p, float* __restrict__ buf, Out* __restrict__ out,
+              int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float b = first ? g[i] : buf_in[i] * momentum + g[i];
+    buf[i] = b;
+    const float pi = p_in[i] - lr * b;
+    p[i] = pi;
+    if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
+  }
+}
+
+template <typename Out>
+void adamw_span(const AdamwStep& step, const float* __restrict__ p_in, const float* __restrict__ m_in,
+                const float* __restrict__ v_in, const float* __restrict__ g, float* __restrict__ p,
+                float* __restrict__ m, float* __restrict__ v, Out* __restrict__ out, int64_t n) {
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) step.apply(i, p_in, m_in, v_in, g, p, m, v, out);
+}
+
+// optimizer_update_into's loop: element e of [0, count) is element index(e) of the tensors, for
+// the whole tensor (rows == nullptr) or the listed rows of `cols` elements. Each chunk runs over
+// contiguous spans.
+template <typename Out>
+void fused_host_update_into(const OptimizerConfig& c, const float* p_in, OptimizerState& in, const float* g,
+                            float* p_out, OptimizerState& out_state, Out* out, int64_t count, const int64_t* rows,
+                            int64_t cols) {
+  auto spans = [&](auto&& span) {
+    parallel_chunks(count, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end;) {
+        const int64_t stop = rows ? std::min(end, (e / cols + 1) * cols) : end;
+        span(rows ? rows[e / cols] * cols + e % cols : e, stop - e);
+        e = stop;
+      }
+    });
+  };
+  auto at = [&](Out* o, int64_t i) -> Out* {
+    if constexpr (std::is_void_v<Out>) return nullptr;
+    else return o + i;
+  };
+  if (c.kind == OptimizerKind::sgd) {
+    const bool first = !in.exp_avg.defined();
+    const float* buf_in = first ? nullptr : in.exp_avg.data_ptr<float>();
+    float* buf = out_state.exp_avg.data_ptr<float>();
+    const float momentum = static_cast<float>(c.momentum), lr = static_cast<float>(c.lr);
+    spans([&](int64_t i, int64_t n) {
+      sgd_span(momentum, lr, first, p_in + i, first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, at(out, i), n);
+    });
+    return;
+  }
+  const float* m_in = in.exp_avg.data_ptr<float>();
+  const float* v_in = in.exp_avg_sq.data_ptr<float>();
+  float* m = out_state.exp_avg.data_ptr<float>();
+  float* v = out_state.exp_avg_sq.data_ptr<float>();
+  const AdamwStep step(c, out_state.step);
+  spans([&](int64_t i, int64_t n) {
+    adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
   });
 }
 
@@ -145,6 +228,59 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   }
   update_with_tensor_ops(c, param, grad, state);
   if (rounded.defined()) rounded.copy_(param);
+}
+
+void optimizer_update_into(const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
+                           const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
+                           const torch::Tensor& rounded, const torch::Tensor& rows, int64_t cols) {
+  torch::NoGradGuard no_grad;
+  STRATA_CHECK(fusable(from, grad) && fusable(to, grad),
+               "optimizer_update_into: needs contiguous float32 host tensors of one size; got "
+                   << from.sizes() << " " << from.scalar_type() << ", into " << to.sizes() << " " << to.scalar_type()
+                   << ", gradient " << grad.sizes() << " " << grad.scalar_type());
+  STRATA_CHECK(from.data_ptr() != to.data_ptr(), "optimizer_update_into: `from` and `to` are the same buffer; use optimizer_update");
+  STRATA_CHECK(&from_state != &to_state, "optimizer_update_into: `from_state` and `to_state` are the same state");
+  STRATA_CHECK(grad.data_ptr() != to.data_ptr(), "optimizer_update_into: the gradient is the buffer written");
+  if (rounded.defined())
+    STRATA_CHECK(rounded.is_cpu() && rounded.is_contiguous() && rounded.numel() == from.numel() &&
+                     (rounded.scalar_type() == torch::kBFloat16 || rounded.scalar_type() == torch::kHalf),
+                 "optimizer_update_into: the rounded copy must be a contiguous host bf16 or fp16 tensor of "
+                     << from.numel() << " elements; got " << rounded.sizes() << " " << rounded.scalar_type());
+  int64_t count = from.numel();
+  const int64_t* row = nullptr;
+  if (rows.defined()) {
+    STRATA_CHECK(cols > 0 && from.numel() % cols == 0 && rows.is_cpu() && rows.scalar_type() == torch::kLong &&
+                     rows.is_contiguous() && rows.dim() == 1,
+                 "optimizer_update_into: rows must be a contiguous 1-D int64 host tensor and cols (" << cols
+                                                                                                     << ") divide " << from.numel());
+    row = rows.data_ptr<int64_t>();
+    const int64_t n_rows = from.numel() / cols;
+    std::vector<bool> seen(static_cast<size_t>(n_rows));
+    for (int64_t i = 0; i < rows.numel(); ++i) {
+      STRATA_CHECK(row[i] >= 0 && row[i] < n_rows, "optimizer_update_into: row " << row[i] << " is outside 0.." << n_rows - 1);
+      STRATA_CHECK(!seen[static_cast<size_t>(row[i])], "optimizer_update_into: row " << row[i] << " is listed twice");
+      seen[static_cast<size_t>(row[i])] = true;
+    }
+    count = rows.numel() * cols;
+  }
+  // The state the step starts from: a first AdamW step starts from zero moments (SGD's first step
+  // takes the gradient itself as its momentum, as optimizer_update does).
+  if (c.kind == OptimizerKind::adamw && !from_state.exp_avg.defined()) {
+    from_state.exp_avg = torch::zeros_like(grad);
+    from_state.exp_avg_sq = torch::zeros_like(grad);
+  }
+  if (!to_state.exp_avg.defined()) to_state.exp_avg = torch::zeros_like(grad);
+  if (c.kind == OptimizerKind::adamw && !to_state.exp_avg_sq.defined()) to_state.exp_avg_sq = torch::zeros_like(grad);
+  to_state.step = from_state.step + 1;
+  const float* p_in = from.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  float* p_out = to.data_ptr<float>();
+  if (rounded.defined() && rounded.scalar_type() == torch::kBFloat16)
+    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::BFloat16>(), count, row, cols);
+  else if (rounded.defined())
+    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::Half>(), count, row, cols);
+  else
+    fused_host_update_into<void>(c, p_in, from_state, g, p_out, to_state, nullptr, count, row, cols);
 }
 
 void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state) {

@@ -37,6 +37,16 @@ struct OptimizerState {
 void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
                       OptimizerState& state, const torch::Tensor& rounded = {});
 
+/// optimizer_update()'s step on contiguous fp32 host tensors, read from `from` and `from_state` and
+/// written into `to` and `to_state` (and `rounded`, bf16 or fp16), leaving `from` as it was: the
+/// step can be taken again, from the same start, for part of the tensor. With `rows` (1-D int64,
+/// host, distinct), only those rows of the tensors seen as [numel / cols, cols] are read and
+/// written. to_state.step becomes from_state.step + 1. An undefined from_state is a first step (for
+/// AdamW it is given zero moments then, the one change to `from`'s side).
+void optimizer_update_into(const OptimizerConfig& config, const torch::Tensor& from, OptimizerState& from_state,
+                           const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
+                           const torch::Tensor& rounded = {}, const torch::Tensor& rows = {}, int64_t cols = 0);
+
 /// optimizer_update() from `param`'s own gradient, which is then released (set_to_none); nothing
 /// happens to a parameter without a gradient.
 void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state);
