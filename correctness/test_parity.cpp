@@ -590,6 +590,12 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   // Shared units carried between their forward uses (the default) and fetched again.
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") > 0; }), 0.30);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") == 0; }), 0.30);
+  // A tied matrix's gradients as the head's and the touched rows, and summed on the device, both
+  // named (each variant has its own default: the overlapped one's is 0).
+  for (const auto* v : {"0", "1"})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.count("tied_rows") && c.options.at("tied_rows") == v; }),
+              0.2)
+        << "tied_rows=" << v;
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it
   // or fetch in the optimizer step; the overlapped optimizer refuses an opening.
   const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);

@@ -103,7 +103,9 @@ namespace {
 // lead of the host over the device, or (`with_opening`, plain mode only) a window count fetched by
 // the optimizer step for the next forward, up to one more than the model has, or `fit` (as many as
 // the device memory of the last backward holds);
-// shared units carried between their forward uses or fetched again;
+// shared units carried between their forward uses or fetched again; a tied matrix's gradients
+// sent as the head's and the embedding's touched rows, or summed on the device (tied_rows 1 or 0,
+// or the variant's own default);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -115,9 +117,10 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                                int resident2, bool on_device, bool recompute_resident) {
+                                int resident2, bool on_device, bool recompute_resident, int tied_rows) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
+          if (tied_rows >= 0) o["tied_rows"] = std::to_string(tied_rows);
           if (with_prefetch) o["prefetch"] = std::to_string(prefetch);
           if (resident >= 0) {
             o["resident"] = std::to_string(resident);
@@ -136,7 +139,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
                      : rc::gen::just(-1),
         sometimes(uniform<int>(0, 4)),
         rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)), rc::gen::arbitrary<bool>(),
-        rc::gen::arbitrary<bool>());
+        rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(0, 2)}}));
   };
 }
 

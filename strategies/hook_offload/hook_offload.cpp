@@ -1,6 +1,7 @@
 #include "strategies/hook_offload/hook_offload.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <numeric>
 #include <thread>
@@ -29,6 +30,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   }
   o.recompute = reader.get_choice("activations", {"recompute", "keep"}) == "recompute";
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
+  o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
@@ -96,10 +98,18 @@ struct HookOffload::Unit {
   bool grad_filled = false;     ///< host_grad holds this step's gradient (else it is stale)
   int pending_users = 0;        ///< backward contributions still to come this step
   torch::Tensor device_grad;    ///< a tied unit's gradients of this step's earlier uses, summed on the device
-  /// Rows of a tied matrix used twice (an embedding and a head), 0 for other units: the first use's
-  /// gradient goes to the host as soon as it exists, and of the last use's only the rows that are
-  /// not all zero (an embedding's, the rows its batch looked up), added there (plain mode).
+  /// Rows of a tied matrix used twice (an embedding and a head; tied_rows), 0 for other units: the
+  /// first use's gradient goes to the host as soon as it exists, and of the last use's only the
+  /// rows that are not all zero (an embedding's, the rows its batch looked up), added there.
   int64_t rows = 0;
+  /// Overlap mode, a unit with rows: the host takes the step from the first use's gradient as soon
+  /// as it lands, from the master into these (and the other optimizer slot), then again for the
+  /// last use's touched rows from the same start. Once that is queued they are the master, and the
+  /// old master the next step's spare.
+  torch::Tensor spare_param, spare_travel;
+  /// The host worker's own: this step's first part ran to its end. A rows part after one that did
+  /// not takes the whole step instead of the rows alone.
+  bool first_part_done = false;
   bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   std::vector<int64_t> uses;    ///< the blocks whose windows hold this unit, in forward order
@@ -110,7 +120,10 @@ struct HookOffload::Unit {
   /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
   /// waits for it. Null when no update is pending.
   std::shared_ptr<device::Gate> updated;
-  OptimizerState optimizer;
+  /// Optimizer state: slot `optimizer_now` goes with host_param, the other with spare_param.
+  std::array<OptimizerState, 2> optimizer_slots;
+  int optimizer_now = 0;
+  OptimizerState& optimizer() { return optimizer_slots[optimizer_now]; }
   /// resident_updates=device and every use resident: trained on the device. Its master is
   /// device_master (device_flat itself when the compute dtype is fp32), its gradient of this step
   /// device_grad_sum, its optimizer state on the device; host_param and host_grad are not used.
@@ -120,9 +133,18 @@ struct HookOffload::Unit {
 };
 
 struct HookOffload::ReadyUpdate {
+  /// whole: the unit's step in place. first: a tied matrix's step from its first use's gradient,
+  /// into the spare buffers. rows: its last use's touched rows added, and their step taken again.
+  enum class Part { whole, first, rows };
   Unit* unit = nullptr;
-  device::Event landed;                       ///< after the unit's last gradient copy
-  std::shared_ptr<device::Gate> done;         ///< the unit's `updated`
+  device::Event landed;                       ///< after the unit's last gradient copy (first: its first use's)
+  std::shared_ptr<device::Gate> done;         ///< the unit's `updated`; null for a first part
+  Part part = Part::whole;
+  // first and rows: the buffers, chosen when queued (the main thread swaps the unit's own).
+  torch::Tensor from, to, to_travel;
+  OptimizerState* from_state = nullptr;
+  OptimizerState* to_state = nullptr;
+  torch::Tensor values, touched;              ///< rows: the touched rows' gradients and indices, on the host
 };
 
 HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
@@ -213,8 +235,8 @@ void HookOffload::attach_model(models::BlockModel model) {
     if (unit.trainable_numel > 0)
       unit.host_grad = device::host_buffer({unit.trainable_numel}, torch::kFloat, config_.device);
     unit.device_flat = torch::empty({unit.numel}, dev_options);
-    if (!options_.overlap_optimizer && unit.users == 2 && unit.params.size() == 1 &&
-        unit.trainable_numel == unit.numel && params[unit.params[0]].tensor.dim() >= 2)
+    if (options_.tied_rows && unit.users == 2 && unit.params.size() == 1 && unit.trainable_numel == unit.numel &&
+        params[unit.params[0]].tensor.dim() >= 2)
       unit.rows = params[unit.params[0]].tensor.size(0);
     for (auto p : unit.params) {
       auto& t = params[p].tensor;
@@ -225,6 +247,14 @@ void HookOffload::attach_model(models::BlockModel model) {
     if (precision.transfer != torch::kFloat) {
       unit.host_travel = device::host_buffer({unit.numel}, precision.transfer, config_.device);
       unit.host_travel.copy_(unit.host_param);
+    }
+    if (unit.rows > 0 && options_.overlap_optimizer) {  // written in full by each step's first part
+      unit.spare_param = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
+      unit.spare_param.copy_(unit.host_param);  // never garbage, even after a first part that failed
+      if (unit.host_travel.defined()) {
+        unit.spare_travel = device::host_buffer({unit.numel}, precision.transfer, config_.device);
+        unit.spare_travel.copy_(unit.host_travel);
+      }
     }
     compat::release_storage(unit.device_flat.storage());
   }
@@ -255,6 +285,8 @@ void HookOffload::attach_model(models::BlockModel model) {
       unit.device_master = precision.compute == torch::kFloat ? unit.device_flat : unit.host_param.to(config_.device);
       unit.host_param = torch::Tensor();
       unit.host_travel = torch::Tensor();
+      unit.spare_param = torch::Tensor();
+      unit.spare_travel = torch::Tensor();
     }
 }
 
@@ -503,6 +535,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
         // of backward, rather than held for the last use, which then sends only its touched rows.
         send_gradient(unit, parts);
         unit.first_use_sent = true;
+        if (options_.overlap_optimizer) queue_first_part(unit);
         continue;
       }
       // A tied unit with uses still to come in this backward: its gradients add up on the device
@@ -518,6 +551,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       unit.first_use_sent = false;  // after: a send that throws leaves the failed step's reset to drop it
     } else {
       send_gradient(unit, parts);
+      if (options_.overlap_optimizer && !unit.on_device()) queue_update(unit, last_copy_);
     }
   }
 }
@@ -529,11 +563,11 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   auto touched = matrix.ne(0).any(1).nonzero().squeeze(1);
   const int64_t n = touched.size(0);
   if (2 * n > unit.rows) {
-    // Dense after all (a matrix both of whose uses are dense, say): added on the host in full, and
-    // from the next step on summed on the device and sent once, which costs less.
-    send_gradient(unit, {flat});
+    // Dense after all (a matrix both of whose uses are dense, say): from the next step on summed on
+    // the device and sent once, which costs less. This step's is added on the host in full (in
+    // overlap mode as rows, all that are touched, since the first part is queued already).
     unit.rows = 0;
-    return;
+    if (!options_.overlap_optimizer) return send_gradient(unit, {flat});
   }
   auto values = matrix.index_select(0, touched);
   d2h_.wait(compute_.record());
@@ -545,18 +579,22 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   d2h_.copy(host_touched, touched);
   bytes_d2h_ += values.nbytes() + touched.nbytes();
   last_copy_ = d2h_.record();
-  add_on_host(last_copy_, [host_values, host_touched, grad = unit.host_grad, cols, n] {
-    float* g = grad.data_ptr<float>();
-    const float* v = host_values.data_ptr<float>();
-    const int64_t* row = host_touched.data_ptr<int64_t>();
-    // Distinct rows: the chunks never write the same element.
-    parallel_chunks(n * cols, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end;) {
-        const int64_t i = e / cols, j = e % cols, stop = std::min(end, (i + 1) * cols);
-        float* dst = g + row[i] * cols + j;
-        for (const float* src = v + e; e < stop; ++e) *dst++ += *src++;
-      }
-    });
+  if (options_.overlap_optimizer) return queue_rows_part(unit, last_copy_, host_values, host_touched);
+  add_on_host(last_copy_, [host_values, host_touched, grad = unit.host_grad] { add_rows(grad, host_values, host_touched); });
+}
+
+void HookOffload::add_rows(const torch::Tensor& grad, const torch::Tensor& values, const torch::Tensor& touched) {
+  const int64_t n = touched.numel(), cols = values.size(1);
+  float* g = grad.data_ptr<float>();
+  const float* v = values.data_ptr<float>();
+  const int64_t* row = touched.data_ptr<int64_t>();
+  // Distinct rows: the chunks never write the same element.
+  parallel_chunks(n * cols, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end;) {
+      const int64_t i = e / cols, j = e % cols, stop = std::min(end, (i + 1) * cols);
+      float* dst = g + row[i] * cols + j;
+      for (const float* src = v + e; e < stop; ++e) *dst++ += *src++;
+    }
   });
 }
 
@@ -605,18 +643,60 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
     add_on_host(d2h_.record(), [staging, grad = unit.host_grad] { grad.add_(staging); });
   }
   last_copy_ = d2h_.record();
-  if (options_.overlap_optimizer) queue_update(unit, last_copy_);
 }
 
 void HookOffload::queue_update(Unit& unit, device::Event landed) {
-  unit.updated = std::make_shared<device::Gate>();
+  ReadyUpdate update;
+  update.unit = &unit;
+  update.landed = std::move(landed);
+  update.done = unit.updated = std::make_shared<device::Gate>();
   // A unit on the device for good computes from its device copy, which is old from now on (also
   // for a forward() before optimizer_step).
   if (unit.references > 0) unit.stale = true;
+  push_update(std::move(update));
+}
+
+HookOffload::ReadyUpdate HookOffload::spare_part(Unit& unit, device::Event landed) {
+  ReadyUpdate update;
+  update.unit = &unit;
+  update.landed = std::move(landed);
+  update.from = unit.host_param;
+  update.to = unit.spare_param;
+  update.to_travel = unit.spare_travel;
+  update.from_state = &unit.optimizer_slots[unit.optimizer_now];
+  update.to_state = &unit.optimizer_slots[1 - unit.optimizer_now];
+  return update;
+}
+
+void HookOffload::queue_first_part(Unit& unit) {
+  // Nothing waits for it: the unit's next fetch waits for the rows part, queued behind it. A step
+  // that fails before that leaves the master as it was (this part wrote only the spare buffers).
+  auto update = spare_part(unit, last_copy_);
+  update.part = ReadyUpdate::Part::first;
+  push_update(std::move(update));
+}
+
+void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched) {
+  auto update = spare_part(unit, std::move(landed));
+  update.part = ReadyUpdate::Part::rows;
+  update.values = std::move(values);
+  update.touched = std::move(touched);
+  update.done = unit.updated = std::make_shared<device::Gate>();
+  if (unit.references > 0) unit.stale = true;
+  // The step's values are written into the spare buffers: from now on they are the master, read by
+  // the unit's next fetch (behind `done`) and by parameters(). The old master is read until then
+  // by this part's rows, and next written by the next step's first part, which runs after it.
+  std::swap(unit.host_param, unit.spare_param);
+  std::swap(unit.host_travel, unit.spare_travel);
+  unit.optimizer_now = 1 - unit.optimizer_now;
+  push_update(std::move(update));
+}
+
+void HookOffload::push_update(ReadyUpdate update) {
   ++updates_pending_;
   {
     std::lock_guard<std::mutex> lock(ready_mutex_);
-    ready_.push_back({&unit, std::move(landed), unit.updated});
+    ready_.push_back(std::move(update));
   }
   host_.submit([this, hold = step_update_hold_] {
     if (hold) hold->wait();  // hold_updates: before the choice, so it sees every held update
@@ -636,6 +716,10 @@ void HookOffload::run_next_update() {
     bool best_landed = false;
     for (size_t i = 0; i < ready_.size(); ++i) {
       const auto& r = ready_[i];
+      // A unit's parts run in the order they were queued (its first part before its rows).
+      if (std::any_of(ready_.begin(), ready_.begin() + static_cast<std::ptrdiff_t>(i),
+                      [&](const ReadyUpdate& earlier) { return earlier.unit == r.unit; }))
+        continue;
       const bool landed = r.landed.done();
       if (best < 0 || (landed && !best_landed) ||
           (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
@@ -657,15 +741,29 @@ void HookOffload::run_next_update() {
     std::shared_ptr<device::Gate> done;
     ~Finish() {
       --self->updates_pending_;
-      done->open();
+      if (done) done->open();
     }
   } finish{this, next.done};
   try {
     next.landed.synchronize();
     device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
-    update_on_host(*next.unit);
+    auto& unit = *next.unit;
+    using Part = ReadyUpdate::Part;
+    if (next.part == Part::whole) {
+      update_on_host(unit);
+    } else {
+      const bool first = next.part == Part::first;
+      if (!first) add_rows(unit.host_grad, next.values, next.touched);
+      // The rows alone after a first part that ran; every row after one that failed.
+      const bool rows = !first && std::exchange(unit.first_part_done, false);
+      if (first) unit.first_part_done = false;
+      optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
+                            next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
+      if (first) unit.first_part_done = true;
+    }
+    if (next.part == Part::first) return;  // the unit is not updated yet
     std::lock_guard<std::mutex> lock(ready_mutex_);
-    update_order_.push_back(next.unit->first_use);
+    update_order_.push_back(unit.first_use);
   } catch (...) {
     // The gate opens all the same (a fetch waiting on it must not hang): the error is reported by
     // the next train_step or optimizer_step, and that step's results are not to be trusted.
@@ -910,7 +1008,7 @@ void HookOffload::update_on_host(Unit& unit) {
   auto trainable = unit.host_param.narrow(0, 0, unit.trainable_numel);
   // The travelling copy is written in the update's own pass over memory (the host pass is what
   // bounds this strategy's step).
-  optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer,
+  optimizer_update(config_.optimizer, trainable, unit.host_grad, unit.optimizer(),
                    unit.host_travel.defined() ? unit.host_travel.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
 }
 
@@ -918,7 +1016,7 @@ void HookOffload::update_on_device(Unit& unit) {
   torch::NoGradGuard no_grad;
   auto trainable = unit.device_master.narrow(0, 0, unit.trainable_numel);
   const bool narrower = config_.precision.compute != torch::kFloat;
-  optimizer_update(config_.optimizer, trainable, unit.device_grad_sum, unit.optimizer,
+  optimizer_update(config_.optimizer, trainable, unit.device_grad_sum, unit.optimizer(),
                    narrower ? unit.device_flat.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
 }
 
@@ -1032,6 +1130,10 @@ static const OptionDocumenter hook_offload_docs(
       "ones count, already there; needs overlap_optimizer=0)"},
      {"carry_tied", "0/1",
       "a unit several blocks share (tied embedding and head) stays on the device between its uses in a forward, not fetched again"},
+     {"tied_rows", "0/1",
+      "a tied matrix used twice (embedding and head): the first use's gradient goes to the host at once and of the last "
+      "use's only the rows it touched (with overlap_optimizer the host steps the matrix from the first at once, into a "
+      "second copy, and the touched rows again when they land); 0: the two are summed on the device and travel once"},
      {"activations", "recompute, keep",
       "recompute blocks in backward, or keep their activations (resident ones follow resident_activations)"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},
@@ -1059,7 +1161,11 @@ STRATA_REGISTER_STRATEGY("hook_offload_overlap",
                          "hook_offload with each unit's host optimizer update overlapped with the rest of backward "
                          "and the updates left then with the next step's forward",
                          [](const StrategyConfig& c) {
-                           return make_hook_offload("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
+                           // tied_rows=0: with it the step was slower on gpt-medium on two H200 hosts and
+                           // faster on gpt-871m on one of three (bench/NOTES.md, "The overlapped step: the
+                           // tied matrix stepped from the head's gradient first").
+                           return make_hook_offload("hook_offload_overlap", c,
+                                                    {{"overlap_optimizer", "1"}, {"tied_rows", "0"}});
                          });
 
 }  // namespace strata

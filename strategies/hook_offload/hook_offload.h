@@ -65,6 +65,14 @@ struct HookOffloadOptions {
   /// fewer a forward, for its bytes held in between. Where the later use is a head whose backward
   /// sets the step's peak (a GPT's), the peak holds it anyway.
   bool carry_tied = true;
+  /// A tied matrix used twice (an embedding and a head): the first use's gradient goes to the host
+  /// as soon as it exists and of the last use's only the rows that are not all zero. With
+  /// overlap_optimizer the host takes the matrix's step from the first gradient at once, into a
+  /// second copy of the matrix and its optimizer state, and takes it again for the touched rows when
+  /// they land, from the same start: most of the step runs while backward still has blocks to go
+  /// rather than after its end, for one more host copy of the matrix and its state and the touched
+  /// rows' step taken twice. false: the uses' gradients are summed on the device and travel once.
+  bool tied_rows = true;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
@@ -178,12 +186,25 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);
+  /// overlap_optimizer, a unit with rows: its step from the first use's gradient (landing with the
+  /// latest copy) joins the host's queue, into the spare buffers.
+  void queue_first_part(Unit& unit);
+  /// ... and its last use's touched rows (values [n, cols] and indices, on the host once `landed`
+  /// has passed): added to the gradient and their step taken again from the same start. The spare
+  /// buffers become the unit's master.
+  void queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched);
+  /// A part of the unit's step from its master into its spare buffers.
+  ReadyUpdate spare_part(Unit& unit, device::Event landed);
+  void push_update(ReadyUpdate update);
+  /// Adds touched rows' gradients (values [n, cols], distinct row indices) into a flat host gradient.
+  static void add_rows(const torch::Tensor& grad, const torch::Tensor& values, const torch::Tensor& touched);
   /// Sends a unit's gradient of this step (all its uses summed; `parts`, fp32 and 1-D, make up its
   /// flat trainable prefix in order) to its host buffer, or to be added there (another
-  /// micro-batch's); in overlap mode the unit's update is queued behind it.
+  /// micro-batch's). In overlap mode the caller queues the unit's update behind it.
   void send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
   /// The last use of a tied matrix whose first use was sent already: its rows that are not all
-  /// zero, with their indices, added on the host (or all of it when more than half are touched).
+  /// zero, with their indices, added on the host (in plain mode all of it when more than half are
+  /// touched); in overlap mode queued as the unit's rows part.
   void send_rows(Unit& unit, const torch::Tensor& flat);
   /// Runs `add` on the host queue once `landed` has passed (a gradient summed into its host
   /// buffer), counted in gradients_in_flight() until it has run and timed as host update work.
