@@ -200,4 +200,20 @@ void parallel_chunks(int64_t n, F fn) {
   });
 }
 
+/// parallel_chunks over `count` items that are, with `rows` (distinct indices), the elements of those
+/// rows of a [*, cols] matrix listed one after another, else elements 0 to count - 1 themselves:
+/// fn(item, element, length) for each stretch of items that are consecutive elements too (at most
+/// one row's worth with `rows`).
+template <typename F>
+void parallel_row_spans(int64_t count, const int64_t* rows, int64_t cols, F fn) {
+  parallel_chunks(count, [&](int64_t begin, int64_t end) {
+    if (!rows) return fn(begin, begin, end - begin);
+    for (int64_t e = begin; e < end;) {
+      const int64_t stop = std::min(end, (e / cols + 1) * cols);
+      fn(e, rows[e / cols] * cols + e % cols, stop - e);
+      e = stop;
+    }
+  });
+}
+
 }  // namespace strata

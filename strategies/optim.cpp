@@ -49,6 +49,22 @@ bool fusable(const torch::Tensor& param, const torch::Tensor& grad) {
 // Out: void, or the dtype of a rounded copy written in the same loop (c10::BFloat16, c10::Half:
 // their conversions from float are the ones copy_() uses).
 
+// One element's SGD step with momentum (`first`: the step that starts the momentum buffer).
+struct SgdStep {
+  float momentum, lr;
+  bool first;
+  /// Element i read from the `_in` buffers (buf_in unread on the first step) and written to the
+  /// others (the same ones in place).
+  template <typename Out>
+  void apply(int64_t i, const float* p_in, const float* buf_in, const float* g, float* p, float* buf, Out* out) const {
+    const float b = first ? g[i] : buf_in[i] * momentum + g[i];
+    buf[i] = b;
+    const float pi = p_in[i] - lr * b;
+    p[i] = pi;
+    if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
+  }
+};
+
 // One element's AdamW step (t = the step's number, from 1), in the order the loops below apply it.
 struct AdamwStep {
   float decay, b1, b2, one_minus_b1, one_minus_b2, bias2, step_size, eps;
@@ -86,18 +102,11 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   if (c.kind == OptimizerKind::sgd) {
-    const bool first = !state.exp_avg.defined();
-    if (first) state.exp_avg = torch::empty_like(grad);
+    const SgdStep step{static_cast<float>(c.momentum), static_cast<float>(c.lr), !state.exp_avg.defined()};
+    if (step.first) state.exp_avg = torch::empty_like(grad);
     float* buf = state.exp_avg.data_ptr<float>();
-    const float momentum = static_cast<float>(c.momentum), lr = static_cast<float>(c.lr);
     parallel_chunks(n, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float b = first ? g[i] : buf[i] * momentum + g[i];
-        buf[i] = b;
-        const float pi = p[i] - lr * b;
-        p[i] = pi;
-        if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
-      }
+      for (int64_t i = begin; i < end; ++i) step.apply(i, p, buf, g, p, buf, out);
     });
     return;
   }
@@ -114,22 +123,18 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
 }
 
 // optimizer_update_into's spans: `n` elements read from the `_in` buffers and written to the
-// others. The buffers never overlap (optimizer_update_into checks `from` and `to`, and the states
-// are separate tensors); saying so lets the compiler vectorize the loop, which it does not
-// otherwise for this many pointers. AdamW's element step is AdamwStep::apply, which the in-place
-// loop calls with the same buffers as input and output, so its own parameters cannot say it; the
-// loop does instead (ivdep).
+// others, which never overlap them (optimizer_update_into checks `from` and `to`, and the states
+// are separate tensors): said by the restrict-qualified pointers here, and to the loops by ivdep,
+// since the element steps are the in-place loops' own, whose parameters cannot say it (the
+// in-place loops pass the same buffers as input and output). Without ivdep GCC leaves AdamW's
+// loop scalar for this many pointers; without the restrict qualifiers the loop runs ~1.5 x slower
+// (32 M elements on the 2-core CPU machine: 22 against 15 ms).
 template <typename Out>
-void sgd_span(float momentum, float lr, bool first, const float* __restrict__ p_in, const float* __restrict__ buf_in,
+void sgd_span(const SgdStep& step, const float* __restrict__ p_in, const float* __restrict__ buf_in,
               const float* __restrict__ g, float* __restrict__ p, float* __restrict__ buf, Out* __restrict__ out,
               int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float b = first ? g[i] : buf_in[i] * momentum + g[i];
-    buf[i] = b;
-    const float pi = p_in[i] - lr * b;
-    p[i] = pi;
-    if constexpr (!std::is_void_v<Out>) out[i] = Out(pi);
-  }
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) step.apply(i, p_in, buf_in, g, p, buf, out);
 }
 
 template <typename Out>
@@ -140,33 +145,22 @@ void adamw_span(const AdamwStep& step, const float* __restrict__ p_in, const flo
   for (int64_t i = 0; i < n; ++i) step.apply(i, p_in, m_in, v_in, g, p, m, v, out);
 }
 
-// optimizer_update_into's loop: element e of [0, count) is element index(e) of the tensors, for
-// the whole tensor (rows == nullptr) or the listed rows of `cols` elements. Each chunk runs over
-// contiguous spans.
+// optimizer_update_into's loop, over the whole tensor (rows == nullptr) or the listed rows of
+// `cols` elements.
 template <typename Out>
 void fused_host_update_into(const OptimizerConfig& c, const float* p_in, OptimizerState& in, const float* g,
                             float* p_out, OptimizerState& out_state, Out* out, int64_t count, const int64_t* rows,
                             int64_t cols) {
-  auto spans = [&](auto&& span) {
-    parallel_chunks(count, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end;) {
-        const int64_t stop = rows ? std::min(end, (e / cols + 1) * cols) : end;
-        span(rows ? rows[e / cols] * cols + e % cols : e, stop - e);
-        e = stop;
-      }
-    });
-  };
   auto at = [&](Out* o, int64_t i) -> Out* {
     if constexpr (std::is_void_v<Out>) return nullptr;
     else return o + i;
   };
   if (c.kind == OptimizerKind::sgd) {
-    const bool first = !in.exp_avg.defined();
-    const float* buf_in = first ? nullptr : in.exp_avg.data_ptr<float>();
+    const SgdStep step{static_cast<float>(c.momentum), static_cast<float>(c.lr), !in.exp_avg.defined()};
+    const float* buf_in = step.first ? nullptr : in.exp_avg.data_ptr<float>();
     float* buf = out_state.exp_avg.data_ptr<float>();
-    const float momentum = static_cast<float>(c.momentum), lr = static_cast<float>(c.lr);
-    spans([&](int64_t i, int64_t n) {
-      sgd_span(momentum, lr, first, p_in + i, first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, at(out, i), n);
+    parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
+      sgd_span(step, p_in + i, step.first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, at(out, i), n);
     });
     return;
   }
@@ -175,7 +169,7 @@ void fused_host_update_into(const OptimizerConfig& c, const float* p_in, Optimiz
   float* m = out_state.exp_avg.data_ptr<float>();
   float* v = out_state.exp_avg_sq.data_ptr<float>();
   const AdamwStep step(c, out_state.step);
-  spans([&](int64_t i, int64_t n) {
+  parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
     adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
   });
 }

@@ -589,12 +589,8 @@ void HookOffload::add_rows(const torch::Tensor& grad, const torch::Tensor& value
   const float* v = values.data_ptr<float>();
   const int64_t* row = touched.data_ptr<int64_t>();
   // Distinct rows: the chunks never write the same element.
-  parallel_chunks(n * cols, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end;) {
-      const int64_t i = e / cols, j = e % cols, stop = std::min(end, (i + 1) * cols);
-      float* dst = g + row[i] * cols + j;
-      for (const float* src = v + e; e < stop; ++e) *dst++ += *src++;
-    }
+  parallel_row_spans(n * cols, row, cols, [&](int64_t item, int64_t element, int64_t length) {
+    for (int64_t k = 0; k < length; ++k) g[element + k] += v[item + k];
   });
 }
 
