@@ -177,22 +177,26 @@ class ChunkWorkers {
   std::vector<std::thread> threads_;
 };
 
-/// Runs fn(begin, end) over [0, n) split across host_threads() threads, in up to four chunks a thread
-/// (of at least 2^18 items), taken in turn, so a thread that loses its core for a while (to a
-/// thread spinning on the device, say) delays a quarter of its share rather than the whole call.
+/// Runs fn(begin, end) over [0, n) split across host_threads() threads (one for every 2^18 items at
+/// most), in up to sixteen chunks a thread (of at least 2^16 items), taken in turn: a thread that
+/// loses its core for a while (to a thread spinning on the device, say) delays a sixteenth of its
+/// share rather than the whole call, and the call's end waits for at most one small chunk on the
+/// thread that took the last one. (Four chunks a thread cost an AdamW pass over 50 M elements
+/// ~15% on the 2-core CPU machine, more when it ran in 8 calls: bench/NOTES.md, "The overlapped
+/// updates in pieces".)
 /// The calling thread takes chunks too; the others are ChunkWorkers'. std::thread rather than
 /// at::parallel_for: the latter is an OpenMP pragma in a header, and serial in any translation
 /// unit not compiled with -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
 template <typename F>
 void parallel_chunks(int64_t n, F fn) {
-  constexpr int64_t kMinChunk = 1 << 18;
+  constexpr int64_t kMinShare = 1 << 18, kMinChunk = 1 << 16;
   const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(host_threads()), n / kMinChunk));
+      std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(host_threads()), n / kMinShare));
   if (threads == 1 || ChunkWorkers::inside_job()) {
     fn(0, n);
     return;
   }
-  const int64_t chunks = std::min<int64_t>(4 * threads, n / kMinChunk);  // >= threads, as threads <= n / kMinChunk
+  const int64_t chunks = std::min<int64_t>(16 * threads, n / kMinChunk);  // >= threads, as threads <= n / kMinShare
   const int64_t chunk = (n + chunks - 1) / chunks;
   std::atomic<int64_t> next{0};
   ChunkWorkers::instance().run(static_cast<size_t>(threads - 1), [&] {
