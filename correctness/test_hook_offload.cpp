@@ -595,8 +595,7 @@ TEST(HookOffload, parity_holds_with_injected_delays) {
              {{"prefetch", "2"}, {"lead", "3"}, {"debug_poison", "1"}},
              {{"prefetch", "1"}, {"opening", "99"}, {"debug_poison", "1"}},
              {{"prefetch", "1"}, {"activations", "keep"}, {"debug_poison", "1"}},
-             {{"prefetch", "1"}, {"overlap_optimizer", "1"}, {"debug_poison", "1"}},
-             {{"prefetch", "2"}, {"overlap_optimizer", "1"}, {"pieces", "3"}, {"debug_poison", "1"}}}) {
+             {{"prefetch", "1"}, {"overlap_optimizer", "1"}, {"debug_poison", "1"}}}) {
       correctness::ParityCase pc;
       pc.model = models::preset(preset).config;
       pc.options = options;
@@ -1132,66 +1131,6 @@ TEST(HookOffload, tied_rows_never_changes_the_step) {
     for (size_t i = 0; i < trajectory[1][0].size(); ++i)
       EXPECT_FALSE(torch::equal(trajectory[1][0][i].second, trajectory[1][2][i].second)) << mode << ": " << trajectory[1][0][i].first;
   }
-}
-
-// pieces splits each unit's gradient copy, host update and next fetch; never the step. AdamW
-// (four steps from no state: the first is taken whole, the others in pieces) must give the same
-// losses and final parameters to the bit with pieces=1 and with pieces=3 and 7 (units of uneven
-// lengths, pieces spanning parameters), and with a delay before every piece of every host update:
-// each piece's fetch waits for that piece's update alone, so a fetch that waited for the wrong
-// piece (or only the first) would give the next forward old values, and its loss would differ.
-// (parameters() waits for every update, so it is read only at the end: the next step's forward
-// must start while updates still run.)
-TEST(HookOffload, pieces_never_change_the_step) {
-  for (const auto* preset : {"gpt-tiny", "mlp-tiny"}) {
-    const auto config = std::string(preset) == "gpt-tiny" ? gpt(3, 8) : models::preset(preset).config;
-    StrategyConfig base;
-    base.optimizer.kind = OptimizerKind::adamw;
-    base.optimizer.lr = 1e-2;
-    auto trajectory = [&](const std::string& pieces, std::chrono::microseconds delay, int64_t* behind) {
-      device::ScopedDelays delays({0ms, 0ms, 0ms, delay});
-      auto s = make_offload({{"overlap_optimizer", "1"}, {"pieces", pieces}}, base);
-      s->attach(models::build_model(config, 0));
-      std::pair<std::vector<double>, std::vector<NamedTensors>> out;
-      out.second.push_back(s->parameters());
-      for (int step = 0; step < 4; ++step) {
-        out.first.push_back(s->train_step(models::make_batch(config, 2, step + 1)));
-        s->optimizer_step();
-      }
-      if (behind) *behind = s->stats().fetches_behind_host_updates;
-      out.second.push_back(s->parameters());
-      return out;
-    };
-    const auto expected = trajectory("1", 0ms, nullptr);
-    for (const auto& [pieces, delay] : std::vector<std::pair<std::string, std::chrono::microseconds>>{
-             {"3", 0ms}, {"7", 0ms}, {"3", 15ms}}) {
-      const std::string where = std::string(preset) + " pieces=" + pieces + " delay=" + std::to_string(delay.count()) + "us";
-      int64_t behind = 0;
-      const auto actual = trajectory(pieces, delay, &behind);
-      for (int step = 0; step < 4; ++step)
-        EXPECT_EQ(actual.first[step], expected.first[step]) << where << ", step " << step << ": loss";
-      const auto& a = actual.second.back();
-      const auto& e = expected.second.back();
-      ASSERT_EQ(a.size(), e.size());
-      for (size_t i = 0; i < a.size(); ++i)
-        EXPECT_TRUE(torch::equal(a[i].second, e[i].second))
-            << where << ": " << a[i].first << " differs by " << (a[i].second - e[i].second).abs().max().item<double>();
-      // With the delay the next forward's fetches surely found updates still running.
-      if (delay > 0ms) {
-        EXPECT_GT(behind, 0) << where << ": no fetch waited for an update";
-      }
-    }
-    for (size_t i = 0; i < expected.second[0].size(); ++i)
-      EXPECT_FALSE(torch::equal(expected.second[0][i].second, expected.second[1][i].second))
-          << preset << ": " << expected.second[0][i].first << " never moved";
-  }
-}
-
-TEST(HookOffload, pieces_need_the_overlapped_optimizer_and_a_count_of_one_or_more) {
-  EXPECT_THROW(make_offload({{"pieces", "2"}}), Error);
-  EXPECT_THROW(make_offload({{"overlap_optimizer", "1"}, {"pieces", "0"}}), Error);
-  EXPECT_NO_THROW(make_offload({{"overlap_optimizer", "1"}, {"pieces", "4"}}));
-  EXPECT_NO_THROW(make_offload({{"pieces", "1"}}));
 }
 
 TEST(HookOffload, frozen_parameters_are_never_sent_back) {

@@ -203,58 +203,6 @@ TEST(Optimizers, an_update_into_refuses_what_it_cannot_do) {
   EXPECT_NO_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({3, 0}, torch::kLong), 3));
 }
 
-// A step taken in pieces, in any order, then counted once, is the whole step element for element
-// (hook_offload's overlapped updates run piece by piece as each piece of a gradient lands).
-TEST(Optimizers, a_step_taken_in_pieces_equals_the_whole_step) {
-  for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw})
-    for (bool round : {false, true}) {
-      const std::string where = std::string(kind == OptimizerKind::sgd ? "sgd" : "adamw") + (round ? " rounded" : "");
-      OptimizerConfig config;
-      config.kind = kind;
-      config.lr = 1e-2;
-      torch::manual_seed(12);
-      const int64_t n = 300007;  // odd: pieces of unequal lengths, split over threads
-      auto whole = torch::randn({n});
-      OptimizerState whole_state;
-      for (int s = 0; s < 2; ++s) optimizer_update(config, whole, torch::randn({n}), whole_state);
-      auto pieces = whole.clone();
-      OptimizerState pieces_state{whole_state.exp_avg.clone(),
-                                  whole_state.exp_avg_sq.defined() ? whole_state.exp_avg_sq.clone() : torch::Tensor(),
-                                  whole_state.step};
-      const auto start = whole.clone();
-      const auto grad = torch::randn({n});
-      auto whole_rounded = torch::zeros({n}, torch::kBFloat16), pieces_rounded = torch::zeros({n}, torch::kBFloat16);
-      optimizer_update(config, whole, grad, whole_state, round ? whole_rounded : torch::Tensor());
-      const std::vector<std::pair<int64_t, int64_t>> order{{100000, 200001}, {0, 1}, {200001, n}, {1, 100000}};
-      for (const auto& [begin, end] : order) {
-        optimizer_update_piece(config, pieces, grad, pieces_state, round ? pieces_rounded : torch::Tensor(), begin, end);
-        EXPECT_EQ(pieces_state.step, whole_state.step - 1) << where << ": a piece counted the step";
-      }
-      ++pieces_state.step;
-      EXPECT_TRUE(torch::equal(pieces, whole)) << where;
-      EXPECT_TRUE(torch::equal(pieces_state.exp_avg, whole_state.exp_avg)) << where << ": first moment";
-      if (kind == OptimizerKind::adamw) {
-        EXPECT_TRUE(torch::equal(pieces_state.exp_avg_sq, whole_state.exp_avg_sq)) << where << ": second moment";
-      }
-      if (round) {
-        EXPECT_TRUE(torch::equal(pieces_rounded, whole_rounded)) << where << ": rounded";
-      }
-      EXPECT_GT(whole.ne(start).to(torch::kDouble).mean().item<double>(), 0.99) << where << ": the step moved almost nothing";
-    }
-  OptimizerConfig config;
-  config.kind = OptimizerKind::adamw;
-  auto p = torch::zeros({8}), g = torch::ones({8});
-  OptimizerState none;
-  EXPECT_THROW(optimizer_update_piece(config, p, g, none, {}, 0, 8), std::exception);  // no state: a first step
-  OptimizerState state;
-  optimizer_update(config, p, g, state);
-  EXPECT_THROW(optimizer_update_piece(config, p, g, state, {}, 4, 4), std::exception);   // empty
-  EXPECT_THROW(optimizer_update_piece(config, p, g, state, {}, 4, 9), std::exception);   // past the end
-  EXPECT_THROW(optimizer_update_piece(config, p, g, state, {}, -1, 2), std::exception);  // before the start
-  auto short_grad = torch::ones({7});
-  EXPECT_THROW(optimizer_update_piece(config, p, short_grad, state, {}, 0, 4), std::exception);
-}
-
 // parallel_chunks hands its chunks to workers kept for the life of the process (ChunkWorkers);
 // host threads only, so the cuda run repeats the cpu one. Several threads calling it at once (a
 // host optimizer's queue beside a precision pass, ranks as threads) must each get every item of

@@ -603,12 +603,6 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   EXPECT_EQ(fraction(sync, [](const ParityCase& c) { return c.options.count("opening") > 0; }), 0.0);
   const auto overlap = draw(gen_parity_case("hook_offload_overlap", {"cpu"}), 200);
   EXPECT_EQ(fraction(overlap, [](const ParityCase& c) { return c.options.count("opening") > 0; }), 0.0);
-  // The overlapped updates whole and in pieces (only there: the other variants refuse pieces).
-  for (const auto* v : {"1", "4"})
-    EXPECT_GE(fraction(overlap, [&](const ParityCase& c) { return c.options.count("pieces") && c.options.at("pieces") == v; }),
-              0.08)
-        << "pieces=" << v;
-  EXPECT_EQ(fraction(cases, [](const ParityCase& c) { return c.options.count("pieces") > 0; }), 0.0);
 }
 
 }  // namespace

@@ -224,22 +224,6 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   if (rounded.defined()) rounded.copy_(param);
 }
 
-void optimizer_update_piece(const OptimizerConfig& c, torch::Tensor& param, const torch::Tensor& grad,
-                            OptimizerState& state, const torch::Tensor& rounded, int64_t begin, int64_t end) {
-  STRATA_CHECK(param.dim() == 1 && grad.dim() == 1 && grad.numel() == param.numel(),
-               "optimizer_update_piece: needs flat tensors of one size; got " << param.sizes() << " and gradient "
-                                                                              << grad.sizes());
-  STRATA_CHECK(0 <= begin && begin < end && end <= param.numel(),
-               "optimizer_update_piece: piece [" << begin << ", " << end << ") is not a non-empty range of 0.."
-                                                 << param.numel());
-  STRATA_CHECK(state.exp_avg.defined() && (c.kind != OptimizerKind::adamw || state.exp_avg_sq.defined()),
-               "optimizer_update_piece: no optimizer state yet; take a first step whole (optimizer_update)");
-  auto slice = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : torch::Tensor(); };
-  OptimizerState piece{slice(state.exp_avg), slice(state.exp_avg_sq), state.step};
-  auto p = slice(param);
-  optimizer_update(c, p, slice(grad), piece, slice(rounded));  // counts piece.step, a copy
-}
-
 void optimizer_update_into(const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
                            const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
                            const torch::Tensor& rounded, const torch::Tensor& rows, int64_t cols) {

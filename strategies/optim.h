@@ -37,14 +37,6 @@ struct OptimizerState {
 void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
                       OptimizerState& state, const torch::Tensor& rounded = {});
 
-/// optimizer_update() for elements [begin, end) of flat tensors (`param`, `grad`, the state's
-/// buffers and `rounded` alike): the step numbered state.step + 1, which this does not count. A
-/// step taken piece by piece (each piece as soon as its gradient has arrived) counts itself once,
-/// `++state.step`, after its last piece. Element for element the same as optimizer_update(). The
-/// state must exist: a first step, which creates it, is taken whole.
-void optimizer_update_piece(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
-                            OptimizerState& state, const torch::Tensor& rounded, int64_t begin, int64_t end);
-
 /// optimizer_update()'s step on contiguous fp32 host tensors, read from `from` and `from_state` and
 /// written into `to` and `to_state` (and `rounded`, bf16 or fp16), leaving `from` as it was: the
 /// step can be taken again, from the same start, for part of the tensor. With `rows` (1-D int64,

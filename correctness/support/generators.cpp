@@ -107,10 +107,9 @@ namespace {
 // sent as the head's and the embedding's touched rows, or summed on the device (tied_rows 1 or 0,
 // or the variant's own default);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
-// on demand, which is what it is registered to test); `with_pieces` (the overlapped variant) the
-// pieces each unit's copies and update are split into.
-OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening, bool with_pieces) {
-  return [with_prefetch, with_opening, with_pieces](const ModelShape& shape, const std::vector<std::string>&) {
+// on demand, which is what it is registered to test).
+OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
+  return [with_prefetch, with_opening](const ModelShape& shape, const std::vector<std::string>&) {
     auto sometimes = [](rc::Gen<int> value) {
       return rc::gen::weightedOneOf<int>({{3, rc::gen::just(-1)}, {1, std::move(value)}});
     };
@@ -118,7 +117,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening, boo
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                                int resident2, bool on_device, bool recompute_resident, int tied_rows, int pieces) {
+                                int resident2, bool on_device, bool recompute_resident, int tied_rows) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (tied_rows >= 0) o["tied_rows"] = std::to_string(tied_rows);
@@ -133,7 +132,6 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening, boo
           }
           if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);
-          if (pieces >= 0) o["pieces"] = std::to_string(pieces);
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
@@ -141,8 +139,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening, boo
                      : rc::gen::just(-1),
         sometimes(uniform<int>(0, 4)),
         rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)), rc::gen::arbitrary<bool>(),
-        rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(0, 2)}}),
-        with_pieces ? rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(1, 5)}}) : rc::gen::just(-1));
+        rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(0, 2)}}));
   };
 }
 
@@ -313,9 +310,9 @@ rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vec
 
 const std::map<std::string, StrategyTraits>& strategy_traits() {
   static const std::map<std::string, StrategyTraits> all = {
-      {"hook_offload", {hook_offload_options(true, true, false), {}, false, {}}},
-      {"hook_offload_overlap", {hook_offload_options(true, false, true), {}, false, {}}},
-      {"hook_offload_sync", {hook_offload_options(false, false, false), {}, false, {}}},
+      {"hook_offload", {hook_offload_options(true, true), {}, false, {}}},
+      {"hook_offload_overlap", {hook_offload_options(true, false), {}, false, {}}},
+      {"hook_offload_sync", {hook_offload_options(false, false), {}, false, {}}},
       {"manual_split", {manual_split_options, {}, false, {}}},
       {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},
       {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},

@@ -53,10 +53,6 @@ struct Delays {
   std::chrono::microseconds copy{0};
   std::chrono::microseconds compute{0};
   std::chrono::microseconds collective{0};  ///< before every collective a process group starts
-  /// Before every piece of a host optimizer update that runs beside the device's work (hook_offload's
-  /// overlapped updates), on the host thread that runs it: a fetch that does not wait for its piece
-  /// reads the old values.
-  std::chrono::microseconds host_update{0};
 };
 Delays injected_delays();
 /// Sets the delays for the lifetime of the object, then restores the previous ones.

@@ -15,18 +15,6 @@
 
 namespace strata {
 
-namespace {
-/// Where piece j of `pieces` starts in a unit's flat trainable prefix of `numel` elements (j ==
-/// pieces: its end). Lengths differ by at most one.
-int64_t piece_start(int64_t numel, int64_t pieces, int64_t j) { return numel * j / pieces; }
-
-/// hook_offload's injected host-update delay (asynchrony tests), on the thread that runs the update.
-void host_update_delay() {
-  const auto d = device::injected_delays().host_update;
-  if (d.count() > 0) std::this_thread::sleep_for(d);
-}
-}  // namespace
-
 HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::string>& options) {
   OptionReader reader("hook_offload", options);
   HookOffloadOptions o;
@@ -49,7 +37,6 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.resident_updates_on_device = reader.get_choice("resident_updates", {"host", "device"}) == "device";
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
   o.defer_updates = reader.get_bool("defer_updates", o.defer_updates);
-  o.pieces = reader.get_int("pieces", o.pieces);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_release_late = reader.get_bool("debug_release_late", o.debug_release_late);
@@ -69,9 +56,6 @@ void HookOffloadOptions::validate() const {
                "hook_offload: opening=" << (opening == kOpeningFit ? std::string("fit") : std::to_string(opening))
                                         << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
                                            "optimizer_step)");
-  STRATA_CHECK(pieces >= 1, "hook_offload: pieces=" << pieces << " must be 1 (each unit whole) or more");
-  STRATA_CHECK(pieces == 1 || overlap_optimizer,
-               "hook_offload: pieces=" << pieces << " splits the overlapped host updates; it needs overlap_optimizer=1");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
   STRATA_CHECK(!recompute_resident || !resident.empty(),
                "hook_offload: resident_activations=recompute recomputes resident blocks, and resident names none; "
@@ -133,12 +117,9 @@ struct HookOffload::Unit {
   /// its previous use in this forward; -1 when it keeps none.
   int64_t carried_to = -1;
   bool stale = false;           ///< held on the device across an optimizer step: its copy is old
-  /// overlap mode: one per piece, each opened once this step's host update of that piece has run;
-  /// the piece's next fetch waits for it. Empty when no update is pending.
-  std::vector<std::shared_ptr<device::Gate>> updated;
-  /// overlap mode: the pieces its gradient copy, host update and fetch are split into (the
-  /// `pieces` option; 1 for a unit with rows and for one smaller than that in elements).
-  int64_t pieces = 1;
+  /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
+  /// waits for it. Null when no update is pending.
+  std::shared_ptr<device::Gate> updated;
   /// Optimizer state: slot `optimizer_now` goes with host_param, the other with spare_param.
   std::array<OptimizerState, 2> optimizer_slots;
   int optimizer_now = 0;
@@ -156,9 +137,8 @@ struct HookOffload::ReadyUpdate {
   /// into the spare buffers. rows: its last use's touched rows added, and their step taken again.
   enum class Part { whole, first, rows };
   Unit* unit = nullptr;
-  /// After each piece of the unit's last gradient copy (first: after its first use's copy).
-  std::vector<device::Event> landed;
-  std::vector<std::shared_ptr<device::Gate>> done;  ///< the unit's `updated`; empty for a first part
+  device::Event landed;                       ///< after the unit's last gradient copy (first: its first use's)
+  std::shared_ptr<device::Gate> done;         ///< the unit's `updated`; null for a first part
   Part part = Part::whole;
   // first and rows: the buffers, chosen when queued (the main thread swaps the unit's own).
   torch::Tensor from, to, to_travel;
@@ -268,8 +248,6 @@ void HookOffload::attach_model(models::BlockModel model) {
       unit.host_travel = device::host_buffer({unit.numel}, precision.transfer, config_.device);
       unit.host_travel.copy_(unit.host_param);
     }
-    if (options_.overlap_optimizer && unit.rows == 0)
-      unit.pieces = std::max<int64_t>(1, std::min(options_.pieces, unit.trainable_numel));
     if (unit.rows > 0 && options_.overlap_optimizer) {  // written in full by each step's first part
       unit.spare_param = device::host_buffer({unit.numel}, torch::kFloat, config_.device);
       unit.spare_param.copy_(unit.host_param);  // never garbage, even after a first part that failed
@@ -314,24 +292,16 @@ void HookOffload::attach_model(models::BlockModel model) {
 
 void HookOffload::fetch(Unit& unit) {
   STRATA_CHECK(!unit.on_device(), name_ << ": a unit trained on the device was fetched from the host (internal error)");
-  // Its host update may still be running (overlap mode): each piece's copy, and everything queued
-  // behind it on this stream, waits for that piece's update. Later fetches of the unit queue behind
-  // this one. (transfer=fp32 under bf16: cast on arrival.)
-  const auto pending = std::exchange(unit.updated, {});
-  const bool all_open = std::all_of(pending.begin(), pending.end(), [](const auto& g) { return g->is_open(); });
-  if (all_open || pending.size() == 1) {
-    if (!all_open) h2d_.hold(pending[0]);
-    h2d_.copy(unit.device_flat, travelling(unit));
-  } else {
-    const auto n = static_cast<int64_t>(pending.size());
-    for (int64_t j = 0; j < n; ++j) {
-      if (!pending[j]->is_open()) h2d_.hold(pending[j]);
-      const int64_t begin = piece_start(unit.trainable_numel, n, j);
-      const int64_t end = j + 1 < n ? piece_start(unit.trainable_numel, n, j + 1) : unit.numel;  // and the frozen tail
-      h2d_.copy(unit.device_flat.narrow(0, begin, end - begin), travelling(unit).narrow(0, begin, end - begin));
+  if (unit.updated) {
+    // Its host update may still be running (overlap mode): the copy, and everything queued behind
+    // it on this stream, waits for it. Later fetches of the unit queue behind this one.
+    if (!unit.updated->is_open()) {
+      h2d_.hold(unit.updated);
+      ++fetches_behind_updates_;
     }
+    unit.updated.reset();
   }
-  if (!all_open) ++fetches_behind_updates_;
+  h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
   unit.loaded = h2d_.record();
   unit.stale = false;
   bytes_h2d_ += unit.travel_bytes;
@@ -580,8 +550,8 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       send_rows(unit, as_one_tensor(parts));
       unit.first_use_sent = false;  // after: a send that throws leaves the failed step's reset to drop it
     } else {
-      auto landed = send_gradient(unit, parts);
-      if (options_.overlap_optimizer && !unit.on_device()) queue_update(unit, std::move(landed));
+      send_gradient(unit, parts);
+      if (options_.overlap_optimizer && !unit.on_device()) queue_update(unit, last_copy_);
     }
   }
 }
@@ -597,10 +567,7 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
     // the device and sent once, which costs less. This step's is added on the host in full (in
     // overlap mode as rows, all that are touched, since the first part is queued already).
     unit.rows = 0;
-    if (!options_.overlap_optimizer) {
-      send_gradient(unit, {flat});
-      return;
-    }
+    if (!options_.overlap_optimizer) return send_gradient(unit, {flat});
   }
   auto values = matrix.index_select(0, touched);
   d2h_.wait(compute_.record());
@@ -640,7 +607,7 @@ void HookOffload::add_on_host(device::Event landed, std::function<void()> add) {
   });
 }
 
-std::vector<device::Event> HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts) {
+void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts) {
   if (unit.on_device()) {
     // Nothing travels: the gradient stays where its update runs, summed over micro-batches there.
     STRATA_CHECK(!unit.grad_filled || !options_.overlap_optimizer,
@@ -649,7 +616,7 @@ std::vector<device::Event> HookOffload::send_gradient(Unit& unit, const std::vec
     unit.device_grad_sum = unit.grad_filled ? unit.device_grad_sum + flat : flat;
     unit.grad_filled = true;
     if (options_.overlap_optimizer) update_on_device(unit);  // behind this block's backward on the stream
-    return {};
+    return;
   }
   auto produced = compute_.record();
   d2h_.wait(produced);
@@ -657,31 +624,10 @@ std::vector<device::Event> HookOffload::send_gradient(Unit& unit, const std::vec
     d2h_.keep_alive(part);
     bytes_d2h_ += part.nbytes();
   }
-  std::vector<device::Event> landed;
   if (!unit.grad_filled) {
     // copy_parts refuses parts that do not fill the buffer: a short gradient would leave an earlier
-    // step's values in the rest. In pieces (overlap mode), each piece is one copy of the slices of
-    // the parts it spans, with its own event: its update can start as soon as it has landed.
-    size_t part = 0;
-    int64_t part_start = 0;  // where parts[part] starts in the flat gradient
-    for (int64_t j = 0; j < unit.pieces; ++j) {
-      const int64_t begin = piece_start(unit.trainable_numel, unit.pieces, j);
-      const int64_t end = piece_start(unit.trainable_numel, unit.pieces, j + 1);
-      std::vector<torch::Tensor> slices;
-      for (int64_t at = begin; at < end && part < parts.size();) {
-        const int64_t part_end = part_start + parts[part].numel();
-        if (part_end <= at) {
-          part_start = part_end;
-          ++part;
-          continue;
-        }
-        const int64_t take = std::min(end, part_end) - at;
-        slices.push_back(unit.pieces == 1 ? parts[part] : parts[part].narrow(0, at - part_start, take));
-        at += take;
-      }
-      d2h_.copy_parts(unit.pieces == 1 ? unit.host_grad : unit.host_grad.narrow(0, begin, end - begin), slices);
-      landed.push_back(d2h_.record());
-    }
+    // step's values in the rest.
+    d2h_.copy_parts(unit.host_grad, parts);
     unit.grad_filled = true;
   } else {
     // Another micro-batch's gradient (accumulation): added on the host once it lands. Not in
@@ -693,16 +639,13 @@ std::vector<device::Event> HookOffload::send_gradient(Unit& unit, const std::vec
     add_on_host(d2h_.record(), [staging, grad = unit.host_grad] { grad.add_(staging); });
   }
   last_copy_ = d2h_.record();
-  return landed;
 }
 
-void HookOffload::queue_update(Unit& unit, std::vector<device::Event> landed) {
+void HookOffload::queue_update(Unit& unit, device::Event landed) {
   ReadyUpdate update;
   update.unit = &unit;
   update.landed = std::move(landed);
-  unit.updated.clear();
-  for (size_t j = 0; j < update.landed.size(); ++j) unit.updated.push_back(std::make_shared<device::Gate>());
-  update.done = unit.updated;
+  update.done = unit.updated = std::make_shared<device::Gate>();
   // A unit on the device for good computes from its device copy, which is old from now on (also
   // for a forward() before optimizer_step).
   if (unit.references > 0) unit.stale = true;
@@ -712,7 +655,7 @@ void HookOffload::queue_update(Unit& unit, std::vector<device::Event> landed) {
 HookOffload::ReadyUpdate HookOffload::spare_part(Unit& unit, device::Event landed) {
   ReadyUpdate update;
   update.unit = &unit;
-  update.landed = {std::move(landed)};
+  update.landed = std::move(landed);
   update.from = unit.host_param;
   update.to = unit.spare_param;
   update.to_travel = unit.spare_travel;
@@ -734,7 +677,7 @@ void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tenso
   update.part = ReadyUpdate::Part::rows;
   update.values = std::move(values);
   update.touched = std::move(touched);
-  update.done = unit.updated = {std::make_shared<device::Gate>()};
+  update.done = unit.updated = std::make_shared<device::Gate>();
   if (unit.references > 0) unit.stale = true;
   // The step's values are written into the spare buffers: from now on they are the master, read by
   // the unit's next fetch (behind `done`) and by parameters(). The old master is read until then
@@ -773,7 +716,7 @@ void HookOffload::run_next_update() {
       if (std::any_of(ready_.begin(), ready_.begin() + static_cast<std::ptrdiff_t>(i),
                       [&](const ReadyUpdate& earlier) { return earlier.unit == r.unit; }))
         continue;
-      const bool landed = r.landed.front().done();  // its first piece, for a unit in pieces
+      const bool landed = r.landed.done();
       if (best < 0 || (landed && !best_landed) ||
           (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
         best = static_cast<int64_t>(i);
@@ -791,45 +734,28 @@ void HookOffload::run_next_update() {
   // Opens whatever happens: a fetch queued behind it must never wait forever.
   struct Finish {
     HookOffload* self;
-    std::vector<std::shared_ptr<device::Gate>> done;
+    std::shared_ptr<device::Gate> done;
     ~Finish() {
       --self->updates_pending_;
-      for (auto& gate : done) gate->open();
+      if (done) done->open();
     }
   } finish{this, next.done};
   try {
+    next.landed.synchronize();
+    device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
     auto& unit = *next.unit;
     using Part = ReadyUpdate::Part;
-    const auto n = static_cast<int64_t>(next.landed.size());
-    if (next.part == Part::whole && n > 1 && unit.optimizer().exp_avg.defined()) {
-      // Piece by piece, each as soon as it has landed; its fetch may start once its gate opens. (A
-      // first step, which creates the optimizer state, is taken whole.)
-      for (int64_t j = 0; j < n; ++j) {
-        next.landed[j].synchronize();
-        host_update_delay();
-        {
-          device::TimeInto timed(host_update_ns_);  // from the piece's landing: waiting is not work
-          update_piece_on_host(unit, piece_start(unit.trainable_numel, n, j), piece_start(unit.trainable_numel, n, j + 1));
-        }
-        next.done[j]->open();
-      }
-      ++unit.optimizer().step;
+    if (next.part == Part::whole) {
+      update_on_host(unit);
     } else {
-      next.landed.back().synchronize();  // every piece has landed once the last has
-      host_update_delay();
-      device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
-      if (next.part == Part::whole) {
-        update_on_host(unit);
-      } else {
-        const bool first = next.part == Part::first;
-        if (!first) add_rows(unit.host_grad, next.values, next.touched);
-        // The rows alone after a first part that ran; every row after one that failed.
-        const bool rows = !first && std::exchange(unit.first_part_done, false);
-        if (first) unit.first_part_done = false;
-        optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
-                              next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
-        if (first) unit.first_part_done = true;
-      }
+      const bool first = next.part == Part::first;
+      if (!first) add_rows(unit.host_grad, next.values, next.touched);
+      // The rows alone after a first part that ran; every row after one that failed.
+      const bool rows = !first && std::exchange(unit.first_part_done, false);
+      if (first) unit.first_part_done = false;
+      optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
+                            next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
+      if (first) unit.first_part_done = true;
     }
     if (next.part == Part::first) return;  // the unit is not updated yet
     std::lock_guard<std::mutex> lock(ready_mutex_);
@@ -1082,13 +1008,6 @@ void HookOffload::update_on_host(Unit& unit) {
                    unit.host_travel.defined() ? unit.host_travel.narrow(0, 0, unit.trainable_numel) : torch::Tensor());
 }
 
-void HookOffload::update_piece_on_host(Unit& unit, int64_t begin, int64_t end) {
-  auto trainable = unit.host_param.narrow(0, 0, unit.trainable_numel);
-  optimizer_update_piece(config_.optimizer, trainable, unit.host_grad, unit.optimizer(),
-                         unit.host_travel.defined() ? unit.host_travel.narrow(0, 0, unit.trainable_numel) : torch::Tensor(),
-                         begin, end);
-}
-
 void HookOffload::update_on_device(Unit& unit) {
   torch::NoGradGuard no_grad;
   auto trainable = unit.device_master.narrow(0, 0, unit.trainable_numel);
@@ -1224,9 +1143,6 @@ static const OptionDocumenter hook_offload_docs(
      {"overlap_optimizer", "0/1", "each unit updated on the host as soon as its gradients land"},
      {"defer_updates", "0/1",
       "with overlap_optimizer: updates left when backward ends finish under the next forward (1) or in optimizer_step (0)"},
-     {"pieces", "1 or more",
-      "with overlap_optimizer: each unit's gradient copy, host update and next fetch in this many pieces, each piece "
-      "updated as soon as it lands and fetched as soon as it is updated"},
      {"debug_poison", "0/1", "every fetched buffer filled with NaN before its copy", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its fetches (a deliberate bug)", true},
      {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true}});

@@ -94,13 +94,6 @@ struct HookOffloadOptions {
   /// With overlap_optimizer: optimizer_step returns before the updates backward left undone have
   /// run (each unit's next fetch waits for its own); false waits for all of them there.
   bool defer_updates = true;
-  /// With overlap_optimizer: each unit's gradient copy to the host, its host update and its next
-  /// fetch are split into this many pieces of its flat buffer (a tied matrix sent as rows stays
-  /// whole), and each piece's update starts when that piece has landed and each piece's fetch waits
-  /// for that piece's update alone. Where the next forward waits at its start for the updates of
-  /// the units whose gradients landed last, the copies then overlap the update instead of
-  /// preceding and following it (bench/NOTES.md, "The overlapped updates in pieces").
-  int64_t pieces = 1;
   bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
   bool debug_release_late = false;     ///< each window is dropped one block late: a deliberate bug (tests)
@@ -190,9 +183,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   void fetch(Unit& unit);
   /// A unit held on the device since before its last update (a resident block) fetched again.
   void refresh_if_stale(Unit& unit);
-  /// overlap_optimizer: the unit's gradients are complete once `landed` has passed (one event per
-  /// piece of the unit); its update joins the host's queue.
-  void queue_update(Unit& unit, std::vector<device::Event> landed);
+  /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
+  /// joins the host's queue.
+  void queue_update(Unit& unit, device::Event landed);
   /// overlap_optimizer, a unit with rows: its step from the first use's gradient (landing with the
   /// latest copy) joins the host's queue, into the spare buffers.
   void queue_first_part(Unit& unit);
@@ -207,9 +200,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   static void add_rows(const torch::Tensor& grad, const torch::Tensor& values, const torch::Tensor& touched);
   /// Sends a unit's gradient of this step (all its uses summed; `parts`, fp32 and 1-D, make up its
   /// flat trainable prefix in order) to its host buffer, or to be added there (another
-  /// micro-batch's). In overlap mode the caller queues the unit's update behind it. Returns the
-  /// copy's events, one after each of the unit's pieces (none for a unit trained on the device).
-  std::vector<device::Event> send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
+  /// micro-batch's). In overlap mode the caller queues the unit's update behind it.
+  void send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
   /// The last use of a tied matrix whose first use was sent already: its rows that are not all
   /// zero, with their indices, added on the host (in plain mode all of it when more than half are
   /// touched); in overlap mode queued as the unit's rows part.
@@ -253,9 +245,6 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// The unit's optimizer step over its trainable prefix, on the host (and its travelling copy
   /// refreshed).
   void update_on_host(Unit& unit);
-  /// The same for elements [begin, end) of the trainable prefix, the step not counted
-  /// (optimizer_update_piece).
-  void update_piece_on_host(Unit& unit, int64_t begin, int64_t end);
   /// resident_updates=device: the unit's optimizer step on the device, from its summed gradient, on
   /// the compute stream (and its compute-dtype copy refreshed).
   void update_on_device(Unit& unit);
