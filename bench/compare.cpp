@@ -5,6 +5,7 @@
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
 //                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
 //                  [--classes=N] [--options='key=value;strategy:key=value'] [--profile=DIR]
+//                  [--profile-steps=N]
 //
 // Exit status: 0 when every strategy passed parity and ran (or ran out of memory, a result); 1 when
 // any failed parity or errored; 2 for bad arguments.
@@ -15,7 +16,10 @@
 //
 // --profile=DIR: after the timed steps, one more forward+backward of each strategy is recorded with
 // LibTorch's profiler into DIR/<strategy>.trace.json (Chrome trace; bench/kernel_table.py tabulates
-// its kernels beside a peer's, bench/profile.sh runs both sides).
+// its kernels beside a peer's, bench/profile.sh runs both sides). --profile-steps=N records N
+// whole steps instead (forward+backward and optimizer step each, back to back, then the device
+// synchronized): what an overlapped optimizer leaves to the next step's forward, and the waits it
+// causes there, fall inside the trace.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -44,12 +48,14 @@ struct Args {
   int64_t classes = 0;                        ///< overrides the preset's class count
   std::map<std::string, std::string> options; ///< key=value for every strategy, or strategy:key=value for one
   std::string profile_dir;                    ///< where one profiled forward+backward per strategy goes
+  int profile_steps = 0;                      ///< whole steps profiled instead (0: one forward+backward)
 };
 
 constexpr const char* kUsage =
     "usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N] [--strategies=a,b]\n"
     "                      [--optimizer=sgd|adamw] [--inference] [--no-tf32] [--classes=N]\n"
-    "                      [--options='k=v;strategy:k=v'] [--profile=DIR] | --list[=markdown] | --help\n"
+    "                      [--options='k=v;strategy:k=v'] [--profile=DIR [--profile-steps=N]]\n"
+    "                      | --list[=markdown] | --help\n"
     "Checks each strategy's parity with the baseline, then times training steps of the model and prints\n"
     "one table: step, forward+backward and optimizer time, peak memory per device, bytes moved.\n"
     "  --model       a preset (--list shows them; default gpt-cpu on the CPU, gpt-medium on a GPU)\n"
@@ -57,6 +63,7 @@ constexpr const char* kUsage =
     "  --options     options for every strategy, or strategy:key=value for one, ';'-separated\n"
     "  --inference   forward only; --no-tf32: full fp32 matrix products on the GPU\n"
     "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n"
+    "  --profile-steps  N whole steps profiled instead, back to back (forward+backward and optimizer step)\n"
     "  --list        strategies with their options and defaults, and the presets (=markdown: the\n"
     "                options as the README's table)\n";
 
@@ -89,6 +96,7 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("classes")) a.classes = bench::int_arg("classes", v);
     else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
     else if (arg == "--no-tf32") a.tf32 = false;
+    else if (const char* v = value("profile-steps")) a.profile_steps = static_cast<int>(bench::int_arg("profile-steps", v));
     else if (const char* v = value("profile")) a.profile_dir = v;
     else if (const char* v = value("strategies")) {
       a.strategies = split(v);
@@ -97,6 +105,9 @@ Args parse_args(int argc, char** argv) {
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
+  STRATA_CHECK(a.profile_steps >= 0, "--profile-steps=" << a.profile_steps << " must be 0 (one forward+backward) or more");
+  STRATA_CHECK(a.profile_steps == 0 || !a.profile_dir.empty(), "--profile-steps=" << a.profile_steps << " needs --profile=DIR");
+  STRATA_CHECK(a.profile_steps == 0 || !a.inference, "--profile-steps profiles training steps; not with --inference");
   return a;
 }
 
@@ -241,15 +252,28 @@ int run(int argc, char** argv) {
           std::filesystem::create_directories(args.profile_dir);
           const auto path = args.profile_dir + "/" + name + ".trace.json";
           bench::TraceRecorder recorder(dev.is_cuda());
-          {
+          if (args.profile_steps == 0) {
             RECORD_USER_SCOPE("strata::forward_backward");
             strategy->train_step(batch);
             strategy->finish_backward();
             device::synchronize_all();
+          } else {
+            for (int k = 0; k < args.profile_steps; ++k) {
+              {
+                RECORD_USER_SCOPE("strata::forward_backward");
+                strategy->train_step(batch);
+                strategy->finish_backward();
+              }
+              RECORD_USER_SCOPE("strata::optimizer_step");
+              strategy->optimizer_step();
+            }
+            device::synchronize_all();
           }
           recorder.save(path);
-          strategy->optimizer_step();
-          std::printf("%-22s profiled forward+backward: %s\n", label.c_str(), path.c_str());
+          if (args.profile_steps == 0) strategy->optimizer_step();
+          std::printf("%-22s profiled %s: %s\n", label.c_str(),
+                      args.profile_steps == 0 ? "forward+backward" : (std::to_string(args.profile_steps) + " steps").c_str(),
+                      path.c_str());
         }
       }
     } catch (const std::exception& e) {
