@@ -6,11 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
 
+#include <ATen/record_function.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -1131,6 +1133,63 @@ TEST(HookOffload, tied_rows_never_changes_the_step) {
     for (size_t i = 0; i < trajectory[1][0].size(); ++i)
       EXPECT_FALSE(torch::equal(trajectory[1][0][i].second, trajectory[1][2][i].second)) << mode << ": " << trajectory[1][0][i].first;
   }
+}
+
+// A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on
+// the host worker's thread, so their spans reach a trace only if the worker runs them in the
+// state of the thread that queued them (strata_compare --profile-steps relies on it). A callback
+// registered on this thread alone must see one span per unit update, each named by the unit's
+// first block, none on this thread; once removed, the next step's updates must not see it.
+namespace {
+std::mutex spans_mutex;
+std::vector<std::pair<std::string, std::thread::id>> spans;
+std::unique_ptr<at::ObserverContext> note_span(const at::RecordFunction& fn) {
+  const std::string name = fn.name();
+  if (name.rfind("strata::host_update", 0) == 0) {
+    std::lock_guard<std::mutex> lock(spans_mutex);
+    spans.emplace_back(name, std::this_thread::get_id());
+  }
+  return nullptr;
+}
+}  // namespace
+
+TEST(HookOffload, overlapped_updates_show_in_a_profile_of_the_thread_that_queued_them) {
+  const auto config = models::preset("mlp-tiny").config;
+  auto s = make_offload({{"overlap_optimizer", "1"}});
+  s->attach(models::build_model(config, 0));
+  const auto batch = models::make_batch(config, 2, 1);
+  s->train_step(batch);  // a first step outside the recording: set-up
+  s->optimizer_step();
+  s->parameters();  // every update of it has run
+  {
+    std::lock_guard<std::mutex> lock(spans_mutex);
+    spans.clear();
+  }
+  const auto handle =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(note_span).scopes({at::RecordScope::USER_SCOPE}));
+  s->train_step(batch);
+  s->optimizer_step();
+  s->parameters();
+  at::removeCallback(handle);
+  std::vector<std::pair<std::string, std::thread::id>> seen;
+  {
+    std::lock_guard<std::mutex> lock(spans_mutex);
+    seen = std::exchange(spans, {});
+  }
+  std::set<std::string> names;
+  for (const auto& [name, thread] : seen) {
+    names.insert(name);
+    EXPECT_NE(thread, std::this_thread::get_id()) << name << " ran on the thread that queued it";
+  }
+  const int64_t blocks = models::build_model(config, 0).num_blocks();
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), blocks) << "one span per unit update (mlp-tiny: one unit a block)";
+  for (int64_t b = 0; b < blocks; ++b)
+    EXPECT_EQ(names.count("strata::host_update block " + std::to_string(b)), 1u) << "block " << b;
+  s->train_step(batch);  // the callback is gone: nothing is recorded, nothing carried over
+  s->optimizer_step();
+  s->parameters();
+  std::lock_guard<std::mutex> lock(spans_mutex);
+  EXPECT_TRUE(spans.empty()) << spans.size() << " spans after the callback was removed";
 }
 
 TEST(HookOffload, frozen_parameters_are_never_sent_back) {

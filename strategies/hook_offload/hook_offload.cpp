@@ -1,5 +1,8 @@
 #include "strategies/hook_offload/hook_offload.h"
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -694,7 +697,14 @@ void HookOffload::push_update(ReadyUpdate update) {
     std::lock_guard<std::mutex> lock(ready_mutex_);
     ready_.push_back(std::move(update));
   }
-  host_.submit([this, hold = step_update_hold_] {
+  // While a profiler (any thread-local RecordFunction callback) runs on this thread, the host
+  // worker runs the update in this thread's state, so its span lands in the same trace as the
+  // device's work (strata_compare --profile-steps). Otherwise nothing is carried over.
+  std::shared_ptr<at::ThreadLocalState> traced;
+  if (at::hasThreadLocalCallbacks()) traced = std::make_shared<at::ThreadLocalState>();
+  host_.submit([this, hold = step_update_hold_, traced] {
+    std::optional<at::ThreadLocalStateGuard> in_trace;
+    if (traced) in_trace.emplace(*traced);
     if (hold) hold->wait();  // hold_updates: before the choice, so it sees every held update
     run_next_update();
   });
@@ -745,6 +755,10 @@ void HookOffload::run_next_update() {
     device::TimeInto timed(host_update_ns_);  // from the gradients' landing: waiting is not work
     auto& unit = *next.unit;
     using Part = ReadyUpdate::Part;
+    // The update's span in a profiler's trace, on this worker's thread (the name is built only
+    // while one records).
+    RECORD_USER_SCOPE("strata::host_update block " + std::to_string(unit.first_use) +
+                      (next.part == Part::first ? " (first part)" : next.part == Part::rows ? " (rows part)" : ""));
     if (next.part == Part::whole) {
       update_on_host(unit);
     } else {
