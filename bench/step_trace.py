@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""A trace of whole steps (strata_compare --profile=DIR --profile-steps=N) read along one time axis:
+the strata annotations (forward+backward, optimizer step, hook_offload's host updates), the
+compute stream's idle stretches longer than a threshold, and every copy over a size with its
+rate. What an overlapped optimizer makes the next forward wait for is read off by setting the
+stretches beside the copies and the host updates.
+
+  step_trace.py TRACE.json [--idle-us 300] [--min-mb 50]
+
+Times are in ms from the trace's first GPU activity. The compute stream is the stream that ran the
+most kernels."""
+import argparse
+import json
+import sys
+
+
+def events(path):
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def read(path, idle_us=300.0, min_mb=50.0):
+    """The trace as a dict: t0 (us), compute stream, annotations [(name, start ms, end ms)], host
+    updates [(name, start ms, end ms)], idle [(start ms, end ms)], copies [(kind, start ms, ms,
+    MB, GB/s)]."""
+    ev = [e for e in events(path) if e.get("ph") == "X"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        sys.exit(f"step_trace.py: {path} holds no GPU activity (was it recorded on a GPU?)")
+    t0 = min(float(e["ts"]) for e in gpu)
+    ms = lambda us: (float(us) - t0) / 1e3  # noqa: E731
+    kernels_on = {}
+    for e in gpu:
+        if e["cat"] == "kernel":
+            s = e.get("args", {}).get("stream", -1)
+            kernels_on[s] = kernels_on.get(s, 0) + 1
+    compute = max(kernels_on, key=kernels_on.get) if kernels_on else None
+    notes = sorted((e for e in ev if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("strata::")),
+                   key=lambda e: float(e["ts"]))
+    spans = [(e["name"], ms(e["ts"]), ms(float(e["ts"]) + float(e["dur"]))) for e in notes]
+    out = {"t0": t0, "compute": compute,
+           "annotations": [s for s in spans if not s[0].startswith("strata::host_update")],
+           "host_updates": [s for s in spans if s[0].startswith("strata::host_update")],
+           "idle": [], "copies": []}
+    busy = sorted((e for e in gpu if e["cat"] == "kernel" and e.get("args", {}).get("stream", -1) == compute),
+                  key=lambda e: float(e["ts"]))
+    if busy:
+        end = float(busy[0]["ts"])
+        for e in busy:
+            start = float(e["ts"])
+            if start - end > idle_us:
+                out["idle"].append((ms(end), ms(start)))
+            end = max(end, start + float(e["dur"]))
+    for e in sorted((e for e in gpu if e["cat"] == "gpu_memcpy"), key=lambda e: float(e["ts"])):
+        nbytes = float(e.get("args", {}).get("bytes", 0))
+        dur = float(e["dur"])
+        if nbytes >= min_mb * 1e6 and dur > 0:
+            kind = "HtoD" if "HtoD" in e["name"] else "DtoH" if "DtoH" in e["name"] else e["name"].split("(")[0].strip()
+            out["copies"].append((kind, ms(e["ts"]), dur / 1e3, nbytes / 1e6, nbytes / dur / 1e3))
+    return out
+
+
+def report(t, idle_us, min_mb):
+    lines = [f"compute stream {t['compute']}; times in ms from the first GPU activity"]
+    for name, a, b in t["annotations"]:
+        lines.append(f"{name:32s} {a:10.2f} .. {b:10.2f}")
+    idle = sum(b - a for a, b in t["idle"])
+    lines.append(f"compute idle over {idle_us:g} us: {len(t['idle'])} stretches, {idle:.2f} ms")
+    lines += [f"  idle {a:10.2f} .. {b:10.2f} ({b - a:.2f} ms)" for a, b in t["idle"]]
+    lines.append(f"host updates: {len(t['host_updates'])}")
+    lines += [f"  {name:44s} {a:10.2f} .. {b:10.2f} ({b - a:.2f} ms)" for name, a, b in t["host_updates"]]
+    lines.append(f"copies of {min_mb:g} MB or more: {len(t['copies'])}")
+    lines += [f"  {k} {a:10.2f}  {d:6.2f} ms  {mb:8.1f} MB  {r:5.1f} GB/s" for k, a, d, mb, r in t["copies"]]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--idle-us", type=float, default=300.0, help="shortest compute idle stretch listed (us)")
+    p.add_argument("--min-mb", type=float, default=50.0, help="smallest copy listed (MB)")
+    a = p.parse_args()
+    print(report(read(a.trace, a.idle_us, a.min_mb), a.idle_us, a.min_mb))
+
+
+if __name__ == "__main__":
+    main()
