@@ -19,7 +19,8 @@
 // its kernels beside a peer's, bench/profile.sh runs both sides). --profile-steps=N records N
 // whole steps instead (forward+backward and optimizer step each, back to back, then the device
 // synchronized): what an overlapped optimizer leaves to the next step's forward, and the waits it
-// causes there, fall inside the trace.
+// causes there, fall inside the trace. Either way the recording starts after the timed steps' host
+// updates have run and stops after the recorded ones' have (finish_step).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -96,7 +97,11 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("classes")) a.classes = bench::int_arg("classes", v);
     else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
     else if (arg == "--no-tf32") a.tf32 = false;
-    else if (const char* v = value("profile-steps")) a.profile_steps = static_cast<int>(bench::int_arg("profile-steps", v));
+    else if (const char* v = value("profile-steps")) {
+      const int64_t n = bench::int_arg("profile-steps", v);
+      STRATA_CHECK(n >= 0 && n <= 1000, "--profile-steps=" << n << " must be 0 (one forward+backward) to 1000");
+      a.profile_steps = static_cast<int>(n);
+    }
     else if (const char* v = value("profile")) a.profile_dir = v;
     else if (const char* v = value("strategies")) {
       a.strategies = split(v);
@@ -105,7 +110,6 @@ Args parse_args(int argc, char** argv) {
     }
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be at least 1");
-  STRATA_CHECK(a.profile_steps >= 0, "--profile-steps=" << a.profile_steps << " must be 0 (one forward+backward) or more");
   STRATA_CHECK(a.profile_steps == 0 || !a.profile_dir.empty(), "--profile-steps=" << a.profile_steps << " needs --profile=DIR");
   STRATA_CHECK(a.profile_steps == 0 || !a.inference, "--profile-steps profiles training steps; not with --inference");
   return a;
@@ -251,11 +255,18 @@ int run(int argc, char** argv) {
         if (!args.profile_dir.empty()) {
           std::filesystem::create_directories(args.profile_dir);
           const auto path = args.profile_dir + "/" + name + ".trace.json";
+          // Host updates the timed steps left running (an overlapped optimizer's) finish before
+          // the recording starts; those of the recorded steps finish inside it, before it stops
+          // (a host worker records into it while a recorded step's update runs).
+          strategy->finish_step();
           bench::TraceRecorder recorder(dev.is_cuda());
           if (args.profile_steps == 0) {
-            RECORD_USER_SCOPE("strata::forward_backward");
-            strategy->train_step(batch);
-            strategy->finish_backward();
+            {
+              RECORD_USER_SCOPE("strata::forward_backward");
+              strategy->train_step(batch);
+              strategy->finish_backward();
+            }
+            strategy->finish_step();
             device::synchronize_all();
           } else {
             for (int k = 0; k < args.profile_steps; ++k) {
@@ -267,6 +278,7 @@ int run(int argc, char** argv) {
               RECORD_USER_SCOPE("strata::optimizer_step");
               strategy->optimizer_step();
             }
+            strategy->finish_step();
             device::synchronize_all();
           }
           recorder.save(path);

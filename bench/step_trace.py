@@ -7,17 +7,28 @@ stretches beside the copies and the host updates.
 
   step_trace.py TRACE.json [--idle-us 300] [--min-mb 50]
 
-Times are in ms from the trace's first GPU activity. The compute stream is the stream that ran the
-most kernels."""
+Times are in ms from the trace's first GPU activity. The compute stream is the (device, stream)
+that ran the most kernels; its idle stretches are those between two of its kernels (not before its
+first or after its last). TRACE may be gzipped (.gz)."""
 import argparse
+import gzip
 import json
 import sys
 
 
 def events(path):
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"step_trace.py: cannot read {path}: {e}")
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def stream_of(e):
+    """A GPU event's (device, stream): stream numbers repeat across devices."""
+    args = e.get("args", {})
+    return (args.get("device", e.get("pid")), args.get("stream", -1))
 
 
 def read(path, idle_us=300.0, min_mb=50.0):
@@ -33,7 +44,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
     kernels_on = {}
     for e in gpu:
         if e["cat"] == "kernel":
-            s = e.get("args", {}).get("stream", -1)
+            s = stream_of(e)
             kernels_on[s] = kernels_on.get(s, 0) + 1
     compute = max(kernels_on, key=kernels_on.get) if kernels_on else None
     notes = sorted((e for e in ev if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("strata::")),
@@ -43,7 +54,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
            "annotations": [s for s in spans if not s[0].startswith("strata::host_update")],
            "host_updates": [s for s in spans if s[0].startswith("strata::host_update")],
            "idle": [], "copies": []}
-    busy = sorted((e for e in gpu if e["cat"] == "kernel" and e.get("args", {}).get("stream", -1) == compute),
+    busy = sorted((e for e in gpu if e["cat"] == "kernel" and stream_of(e) == compute),
                   key=lambda e: float(e["ts"]))
     if busy:
         end = float(busy[0]["ts"])
@@ -62,7 +73,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
 
 
 def report(t, idle_us, min_mb):
-    lines = [f"compute stream {t['compute']}; times in ms from the first GPU activity"]
+    lines = [f"compute stream (device, stream) {t['compute']}; times in ms from the first GPU activity"]
     for name, a, b in t["annotations"]:
         lines.append(f"{name:32s} {a:10.2f} .. {b:10.2f}")
     idle = sum(b - a for a, b in t["idle"])
@@ -81,6 +92,8 @@ def main():
     p.add_argument("--idle-us", type=float, default=300.0, help="shortest compute idle stretch listed (us)")
     p.add_argument("--min-mb", type=float, default=50.0, help="smallest copy listed (MB)")
     a = p.parse_args()
+    if a.idle_us < 0 or a.min_mb < 0:
+        p.error("--idle-us and --min-mb must not be negative")
     print(report(read(a.trace, a.idle_us, a.min_mb), a.idle_us, a.min_mb))
 
 

@@ -1139,7 +1139,7 @@ TEST(HookOffload, tied_rows_never_changes_the_step) {
 // the host worker's thread, so their spans reach a trace only if the worker runs them in the
 // state of the thread that queued them (strata_compare --profile-steps relies on it). A callback
 // registered on this thread alone must see one span per unit update, each named by the unit's
-// first block, none on this thread; once removed, the next step's updates must not see it.
+// first block, none on this thread; once removed, the next step's updates record nothing.
 namespace {
 std::mutex spans_mutex;
 std::vector<std::pair<std::string, std::thread::id>> spans;
@@ -1165,12 +1165,15 @@ TEST(HookOffload, overlapped_updates_show_in_a_profile_of_the_thread_that_queued
     std::lock_guard<std::mutex> lock(spans_mutex);
     spans.clear();
   }
-  const auto handle =
-      at::addThreadLocalCallback(at::RecordFunctionCallback(note_span).scopes({at::RecordScope::USER_SCOPE}));
-  s->train_step(batch);
-  s->optimizer_step();
-  s->parameters();
-  at::removeCallback(handle);
+  {
+    struct Removed {  // also when the step throws: later tests on this thread must not record
+      at::CallbackHandle handle;
+      ~Removed() { at::removeCallback(handle); }
+    } callback{at::addThreadLocalCallback(at::RecordFunctionCallback(note_span).scopes({at::RecordScope::USER_SCOPE}))};
+    s->train_step(batch);
+    s->optimizer_step();
+    s->parameters();
+  }
   std::vector<std::pair<std::string, std::thread::id>> seen;
   {
     std::lock_guard<std::mutex> lock(spans_mutex);
