@@ -21,6 +21,7 @@
 // synchronized): what an overlapped optimizer leaves to the next step's forward, and the waits it
 // causes there, fall inside the trace. Either way the recording starts after the timed steps' host
 // updates have run and stops after the recorded ones' have (finish_step).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -260,27 +261,20 @@ int run(int argc, char** argv) {
           // (a host worker records into it while a recorded step's update runs).
           strategy->finish_step();
           bench::TraceRecorder recorder(dev.is_cuda());
-          if (args.profile_steps == 0) {
+          // One forward+backward, or profile_steps whole steps.
+          for (int k = 0; k < std::max(1, args.profile_steps); ++k) {
             {
               RECORD_USER_SCOPE("strata::forward_backward");
               strategy->train_step(batch);
               strategy->finish_backward();
             }
-            strategy->finish_step();
-            device::synchronize_all();
-          } else {
-            for (int k = 0; k < args.profile_steps; ++k) {
-              {
-                RECORD_USER_SCOPE("strata::forward_backward");
-                strategy->train_step(batch);
-                strategy->finish_backward();
-              }
+            if (args.profile_steps > 0) {
               RECORD_USER_SCOPE("strata::optimizer_step");
               strategy->optimizer_step();
             }
-            strategy->finish_step();
-            device::synchronize_all();
           }
+          strategy->finish_step();
+          device::synchronize_all();
           recorder.save(path);
           if (args.profile_steps == 0) strategy->optimizer_step();
           std::printf("%-22s profiled %s: %s\n", label.c_str(),

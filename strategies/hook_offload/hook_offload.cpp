@@ -644,14 +644,18 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
   last_copy_ = d2h_.record();
 }
 
-void HookOffload::queue_update(Unit& unit, device::Event landed) {
-  ReadyUpdate update;
-  update.unit = &unit;
-  update.landed = std::move(landed);
+void HookOffload::gate_next_fetch(Unit& unit, ReadyUpdate& update) {
   update.done = unit.updated = std::make_shared<device::Gate>();
   // A unit on the device for good computes from its device copy, which is old from now on (also
   // for a forward() before optimizer_step).
   if (unit.references > 0) unit.stale = true;
+}
+
+void HookOffload::queue_update(Unit& unit, device::Event landed) {
+  ReadyUpdate update;
+  update.unit = &unit;
+  update.landed = std::move(landed);
+  gate_next_fetch(unit, update);
   push_update(std::move(update));
 }
 
@@ -680,8 +684,7 @@ void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tenso
   update.part = ReadyUpdate::Part::rows;
   update.values = std::move(values);
   update.touched = std::move(touched);
-  update.done = unit.updated = std::make_shared<device::Gate>();
-  if (unit.references > 0) unit.stale = true;
+  gate_next_fetch(unit, update);
   // The step's values are written into the spare buffers: from now on they are the master, read by
   // the unit's next fetch (behind `done`) and by parameters(). The old master is read until then
   // by this part's rows, and next written by the next step's first part, which runs after it.
@@ -765,11 +768,11 @@ void HookOffload::run_next_update() {
       const bool first = next.part == Part::first;
       if (!first) add_rows(unit.host_grad, next.values, next.touched);
       // The rows alone after a first part that ran; every row after one that failed.
-      const bool rows = !first && std::exchange(unit.first_part_done, false);
-      if (first) unit.first_part_done = false;
+      const bool rows = !first && unit.first_part_done;
+      unit.first_part_done = false;
       optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
                             next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
-      if (first) unit.first_part_done = true;
+      unit.first_part_done = first;
     }
     if (next.part == Part::first) return;  // the unit is not updated yet
     std::lock_guard<std::mutex> lock(ready_mutex_);

@@ -186,6 +186,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
   /// joins the host's queue.
   void queue_update(Unit& unit, device::Event landed);
+  /// The unit's next fetch waits for `update` (its `done`, the unit's `updated`); a unit held on
+  /// the device for good is stale from now on.
+  void gate_next_fetch(Unit& unit, ReadyUpdate& update);
   /// overlap_optimizer, a unit with rows: its step from the first use's gradient (landing with the
   /// latest copy) joins the host's queue, into the spare buffers.
   void queue_first_part(Unit& unit);
