@@ -40,6 +40,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.resident_updates_on_device = reader.get_choice("resident_updates", {"host", "device"}) == "device";
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.overlap_optimizer);
   o.defer_updates = reader.get_bool("defer_updates", o.defer_updates);
+  o.fetch_ready_first = reader.get_choice("fetch_order", {"ready", "in_order"}) == "ready";
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_release_late = reader.get_bool("debug_release_late", o.debug_release_late);
@@ -123,6 +124,9 @@ struct HookOffload::Unit {
   /// overlap mode: opens once this step's host update of the unit has run; the unit's next fetch
   /// waits for it. Null when no update is pending.
   std::shared_ptr<device::Gate> updated;
+  /// fetch_ready_first: its fetch was asked for before `updated` opened and is not queued yet; its
+  /// device buffer is allocated and unwritten (HookOffload::deferred_ lists it).
+  bool fetch_deferred = false;
   /// Optimizer state: slot `optimizer_now` goes with host_param, the other with spare_param.
   std::array<OptimizerState, 2> optimizer_slots;
   int optimizer_now = 0;
@@ -295,19 +299,55 @@ void HookOffload::attach_model(models::BlockModel model) {
 
 void HookOffload::fetch(Unit& unit) {
   STRATA_CHECK(!unit.on_device(), name_ << ": a unit trained on the device was fetched from the host (internal error)");
+  if (unit.fetch_deferred) {  // refreshed again (a failed step): its copy, queued later, reads the latest
+    unit.stale = false;
+    return;
+  }
+  if (!deferred_.empty()) issue_ready_fetches();  // those whose updates have run go first
   if (unit.updated) {
-    // Its host update may still be running (overlap mode): the copy, and everything queued behind
-    // it on this stream, waits for it. Later fetches of the unit queue behind this one.
+    // Its host update may still be running (overlap mode). Either the copy waits for it unqueued
+    // (fetch_ready_first), or it and everything queued behind it on this stream waits for it.
     if (!unit.updated->is_open()) {
-      h2d_.hold(unit.updated);
       ++fetches_behind_updates_;
+      if (options_.fetch_ready_first) {
+        unit.fetch_deferred = true;
+        unit.stale = false;
+        deferred_.push_back(&unit);
+        return;
+      }
+      h2d_.hold(unit.updated);
     }
     unit.updated.reset();
   }
+  queue_copy(unit);
+}
+
+void HookOffload::queue_copy(Unit& unit) {
   h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
   unit.loaded = h2d_.record();
   unit.stale = false;
   bytes_h2d_ += unit.travel_bytes;
+  if (fetch_observer_) fetch_observer_(unit.first_use);
+}
+
+void HookOffload::issue_ready_fetches(Unit* needed) {
+  for (;;) {
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      auto& unit = **it;
+      if (!unit.updated->is_open()) {
+        ++it;
+        continue;
+      }
+      unit.updated.reset();
+      unit.fetch_deferred = false;
+      it = deferred_.erase(it);
+      queue_copy(unit);
+    }
+    if (!needed || !needed->fetch_deferred) return;
+    // Compute needs it now: wait here, on the host, without spinning a core the updates use. An
+    // update that fails opens its gate all the same.
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 void HookOffload::refresh_if_stale(Unit& unit) {
@@ -342,6 +382,10 @@ void HookOffload::acquire(Unit& unit) {
 void HookOffload::release(Unit& unit) {
   STRATA_CHECK(unit.references > 0, name_ << ": a unit was released more often than it was acquired");
   if (--unit.references > 0) return;
+  if (unit.fetch_deferred) {  // never queued (a forward that failed first): nothing writes the buffer
+    unit.fetch_deferred = false;
+    deferred_.erase(std::find(deferred_.begin(), deferred_.end(), &unit));
+  }
   // A fetch that nobody waited for may still be writing the buffer (CPU: the worker thread).
   compute_.wait(unit.loaded);
   compute_.keep_alive(unit.device_flat);
@@ -419,6 +463,7 @@ void HookOffload::check_no_carries() const {
 void HookOffload::wait_for_window(int64_t block) {
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
+    if (unit.fetch_deferred) issue_ready_fetches(&unit);
     if (!options_.debug_skip_waits) compute_.wait(unit.loaded);
     compute_.keep_alive(unit.device_flat);
   }
@@ -720,25 +765,38 @@ void HookOffload::run_next_update() {
   // update queued with it, or another in its place.
   ReadyUpdate next;
   try {
-    std::lock_guard<std::mutex> lock(ready_mutex_);
-    int64_t best = -1;
-    bool best_landed = false;
-    for (size_t i = 0; i < ready_.size(); ++i) {
-      const auto& r = ready_[i];
-      // A unit's parts run in the order they were queued (its first part before its rows).
-      if (std::any_of(ready_.begin(), ready_.begin() + static_cast<std::ptrdiff_t>(i),
-                      [&](const ReadyUpdate& earlier) { return earlier.unit == r.unit; }))
-        continue;
-      const bool landed = r.landed.done();
-      if (best < 0 || (landed && !best_landed) ||
-          (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
-        best = static_cast<int64_t>(i);
-        best_landed = landed;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(ready_mutex_);
+      int64_t best = -1;
+      bool best_landed = false, held = false;
+      for (size_t i = 0; i < ready_.size(); ++i) {
+        const auto& r = ready_[i];
+        // A unit's parts run in the order they were queued (its first part before its rows).
+        if (std::any_of(ready_.begin(), ready_.begin() + static_cast<std::ptrdiff_t>(i),
+                        [&](const ReadyUpdate& earlier) { return earlier.unit == r.unit; }))
+          continue;
+        if (unit_hold_ && r.unit->first_use == unit_hold_first_use_ && !unit_hold_->is_open()) {
+          held = true;  // hold_update_of
+          continue;
+        }
+        const bool landed = r.landed.done();
+        if (best < 0 || (landed && !best_landed) ||
+            (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
+          best = static_cast<int64_t>(i);
+          best_landed = landed;
+        }
       }
+      if (best < 0 && held) {  // only held ones left: look again once its gate opens or others are queued
+        auto gate = unit_hold_;
+        lock.unlock();
+        gate->wait_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      STRATA_CHECK(best >= 0, name_ << ": an overlapped update ran with no eligible unit queued (internal error)");
+      next = std::move(ready_[best]);
+      ready_.erase(ready_.begin() + best);
+      break;
     }
-    STRATA_CHECK(best >= 0, name_ << ": an overlapped update ran with no eligible unit queued (internal error)");
-    next = std::move(ready_[best]);
-    ready_.erase(ready_.begin() + best);
   } catch (...) {
     note_update_error();
     --updates_pending_;
@@ -783,6 +841,12 @@ void HookOffload::run_next_update() {
     note_update_error();
     throw;
   }
+}
+
+void HookOffload::hold_update_of(int64_t first_use, std::shared_ptr<const device::Gate> gate) {
+  std::lock_guard<std::mutex> lock(ready_mutex_);
+  unit_hold_first_use_ = first_use;
+  unit_hold_ = std::move(gate);
 }
 
 std::vector<int64_t> HookOffload::take_update_order() {
@@ -1160,6 +1224,10 @@ static const OptionDocumenter hook_offload_docs(
      {"overlap_optimizer", "0/1", "each unit updated on the host as soon as its gradients land"},
      {"defer_updates", "0/1",
       "with overlap_optimizer: updates left when backward ends finish under the next forward (1) or in optimizer_step (0)"},
+     {"fetch_order", "ready, in_order",
+      "with overlap_optimizer: a fetch whose unit's update is still running is queued once it has run, letting the "
+      "fetches of units already updated cross first (ready), or every fetch is queued in forward order, each behind "
+      "its update (in_order)"},
      {"debug_poison", "0/1", "every fetched buffer filled with NaN before its copy", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its fetches (a deliberate bug)", true},
      {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true}});

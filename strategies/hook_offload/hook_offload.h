@@ -94,6 +94,13 @@ struct HookOffloadOptions {
   /// With overlap_optimizer: optimizer_step returns before the updates backward left undone have
   /// run (each unit's next fetch waits for its own); false waits for all of them there.
   bool defer_updates = true;
+  /// fetch_order=ready, with overlap_optimizer: a fetch whose unit's host update is still running is
+  /// not queued on the copy stream until that update has run (the forward's thread waits for it
+  /// where it needs the unit), so the fetches asked for after it, of units already updated, cross
+  /// the link first. At the step's boundary the first windows' updates end out of forward order.
+  /// in_order (false) queues every fetch in forward order, each behind its update, and everything
+  /// after a held one waits with it (bench/NOTES.md, "The step boundary's fetches").
+  bool fetch_ready_first = true;
   bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
   bool debug_release_late = false;     ///< each window is dropped one block late: a deliberate bug (tests)
@@ -162,6 +169,13 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// overlap_optimizer: the first block (Unit::first_use) of each unit updated since the last
   /// call, in the order the updates ran (tests: the order the next forward needs).
   std::vector<int64_t> take_update_order();
+  /// overlap_optimizer: the host updates of the units whose first block is `first_use` are left
+  /// until `gate` opens; the others run meanwhile (tests: one update surely unfinished while the
+  /// units after it are updated).
+  void hold_update_of(int64_t first_use, std::shared_ptr<const device::Gate> gate);
+  /// Calls `observer` with a unit's first block each time that unit's copy to the device is queued,
+  /// on the thread that queues it (tests: the order fetches reach the link).
+  void observe_fetches(std::function<void(int64_t first_use)> observer) { fetch_observer_ = std::move(observer); }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -179,8 +193,14 @@ class HookOffload : public Strategy, public WindowedRunner {
   struct ReadyUpdate;
   void acquire(Unit& unit);
   /// Queues the copy of the unit's host master to its device buffer, behind the unit's pending
-  /// host update if there is one.
+  /// host update if there is one (fetch_ready_first: once that update has run, by
+  /// issue_ready_fetches).
   void fetch(Unit& unit);
+  /// The copy itself, now, on the copy stream.
+  void queue_copy(Unit& unit);
+  /// fetch_ready_first: queues the deferred fetches whose updates have run, in the order they were
+  /// asked for; with `needed`, polls until that unit's is queued.
+  void issue_ready_fetches(Unit* needed = nullptr);
   /// A unit held on the device since before its last update (a resident block) fetched again.
   void refresh_if_stale(Unit& unit);
   /// overlap_optimizer: the unit's gradients are complete once `landed` has passed; its update
@@ -283,6 +303,10 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::exception_ptr update_error_;            ///< an overlapped update threw (ready_mutex_; reported next)
   std::vector<int64_t> update_order_;          ///< take_update_order
   std::shared_ptr<const device::Gate> update_hold_, step_update_hold_;  ///< hold_updates
+  int64_t unit_hold_first_use_ = -1;                ///< hold_update_of (ready_mutex_)
+  std::shared_ptr<const device::Gate> unit_hold_;   ///< hold_update_of (ready_mutex_)
+  std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
+  std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   int64_t backward_seen_bytes_ = 0;  ///< the most device memory allocated at a backward hook this step
