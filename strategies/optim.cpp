@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 #include <sstream>
@@ -145,6 +149,41 @@ void adamw_span(const AdamwStep& step, const float* __restrict__ p_in, const flo
   for (int64_t i = 0; i < n; ++i) step.apply(i, p_in, m_in, v_in, g, p, m, v, out);
 }
 
+#if defined(__SSE__)
+// An update into other buffers writes lines it never read: an ordinary store first reads each line
+// from memory (12 B an element more than in place, ~40 B against 28 for AdamW), and the lines
+// then displace the inputs from cache. This span computes blocks of elements into a staging area
+// that stays in cache, with the same element step, and streams them out with non-temporal stores,
+// which write whole lines without reading them. Needs p, m and v at the same offset within 16
+// bytes (buffers allocated alike are); otherwise, and for the head and tail, the plain span.
+template <typename Out>
+void adamw_span_streamed(const AdamwStep& step, const float* p_in, const float* m_in, const float* v_in, const float* g,
+                         float* p, float* m, float* v, Out* out, int64_t n) {
+  const auto misalign = [](const float* x) { return reinterpret_cast<std::uintptr_t>(x) & 15; };
+  if (misalign(p) != misalign(m) || misalign(p) != misalign(v)) return adamw_span(step, p_in, m_in, v_in, g, p, m, v, out, n);
+  auto at = [&](int64_t i) -> Out* {
+    if constexpr (std::is_void_v<Out>) return nullptr;
+    else return out + i;
+  };
+  const int64_t head = std::min<int64_t>(n, static_cast<int64_t>((16 - misalign(p)) & 15) / 4);
+  adamw_span(step, p_in, m_in, v_in, g, p, m, v, at(0), head);
+  constexpr int64_t kBlock = 512;  // 3 x 2 KiB of staging
+  alignas(64) float sp[kBlock], sm[kBlock], sv[kBlock];
+  const auto stream = [](float* dst, const float* src) {
+    for (int64_t k = 0; k < kBlock; k += 4) _mm_stream_ps(dst + k, _mm_load_ps(src + k));
+  };
+  int64_t i = head;
+  for (; i + kBlock <= n; i += kBlock) {
+    adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, sp, sm, sv, at(i), kBlock);
+    stream(p + i, sp);
+    stream(m + i, sm);
+    stream(v + i, sv);
+  }
+  adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p + i, m + i, v + i, at(i), n - i);
+  _mm_sfence();  // the streamed lines reach memory before this thread reports the span done
+}
+#endif
+
 // optimizer_update_into's loop, over the whole tensor (rows == nullptr) or the listed rows of
 // `cols` elements.
 template <typename Out>
@@ -170,7 +209,11 @@ void fused_host_update_into(const OptimizerConfig& c, const float* p_in, Optimiz
   float* v = out_state.exp_avg_sq.data_ptr<float>();
   const AdamwStep step(c, out_state.step);
   parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
+#if defined(__SSE__)
+    adamw_span_streamed(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
+#else
     adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
+#endif
   });
 }
 
