@@ -591,7 +591,7 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") > 0; }), 0.30);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("carry_tied") == 0; }), 0.30);
   // A tied matrix's gradients as the head's and the touched rows, and summed on the device, both
-  // named (each variant has its own default: the overlapped one's is 0).
+  // named (the default is 1 for every variant).
   for (const auto* v : {"0", "1"})
     EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.count("tied_rows") && c.options.at("tied_rows") == v; }),
               0.2)

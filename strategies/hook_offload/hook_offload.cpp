@@ -1242,11 +1242,10 @@ STRATA_REGISTER_STRATEGY("hook_offload_overlap",
                          "hook_offload with each unit's host optimizer update overlapped with the rest of backward "
                          "and the updates left then with the next step's forward",
                          [](const StrategyConfig& c) {
-                           // tied_rows=0: with it the step was slower on gpt-medium on two H200 hosts and
-                           // faster on gpt-871m on one of three (bench/NOTES.md, "The overlapped step: the
-                           // tied matrix stepped from the head's gradient first").
-                           return make_hook_offload("hook_offload_overlap", c,
-                                                    {{"overlap_optimizer", "1"}, {"tied_rows", "0"}});
+                           // tied_rows stays 1 here too since the first part's update streams its results
+                           // and fetches go as their units are ready (bench/NOTES.md, "An update into
+                           // other buffers, with streaming stores").
+                           return make_hook_offload("hook_offload_overlap", c, {{"overlap_optimizer", "1"}});
                          });
 
 }  // namespace strata
