@@ -836,8 +836,9 @@ void expect_same_steps(const TwoSteps& expected, double loss, HookOffload& s, co
 
 // overlap_optimizer=1 returns from optimizer_step with host updates still to run: they finish
 // while the next step's forward runs, and each block's fetch must wait for its own units. The
-// first step's updates are held behind a gate until the second step has queued a fetch behind
-// one of them, so its forward surely reaches blocks whose updates have not run; its loss and the
+// first step's updates are held behind a gate until the second step has asked for a fetch behind
+// one of them (queued behind it, or with fetch_order=ready, the default, left unqueued until it
+// has run), so its forward surely reaches blocks whose updates have not run; its loss and the
 // parameters after it must equal those of hook_offload with its optimizer after backward. A fetch
 // that does not wait reads the weights from before the update (seen failing that way). gpt-tiny
 // and mlp-tied-tiny are tied (the embedding's update is the last to become ready and the first
@@ -927,7 +928,7 @@ TEST(HookOffload, a_fetch_waiting_for_its_update_lets_fetches_of_updated_units_g
       double loss = 0;
       bool forced = false;
       {
-        OpenLater opener(gate, 2s, [&] { return block1_queued.load(); });
+        OpenLater opener(gate, 30s, [&] { return block1_queued.load(); });
         loss = s->train_step(second);
         opener.join();
         forced = opener.forced();
@@ -1057,22 +1058,68 @@ TEST(HookOffload, a_failed_step_leaves_nothing_held_and_the_next_step_works) {
 namespace strata {
 namespace {
 
+// The chain of `spec` with its block `at` (counting the input layer as 0) replaced by a 4-wide
+// FailingBlock, built the same way each time; `failing`, when given, receives it.
+models::BlockModel with_failing_block(const correctness::ChainSpec& spec, size_t at,
+                                      std::shared_ptr<test::FailingBlock>* failing) {
+  auto model = spec.build(0);
+  auto blocks = model.blocks();
+  torch::manual_seed(7);
+  auto f = std::make_shared<test::FailingBlock>(4);
+  if (failing) *failing = f;
+  blocks[at] = f;
+  return models::BlockModel(model.config(), blocks);
+}
+
+// fetch_order=ready: a forward that fails while a fetch waits, unqueued, for its unit's update lets
+// it go with its window (release), so nothing stays held or listed, and the next step, once the
+// update has run, computes what hook_offload with its optimizer after backward does. Block 3's
+// update of the first step is held; the second forward asks for window 3 (prefetch 2) at block 1,
+// which throws. (Seen failing, the process crashing, with release() leaving the fetch listed.)
+TEST(HookOffload, a_forward_that_fails_drops_a_fetch_still_waiting_for_its_update) {
+  // Blocks: the input layer, the failing one, two linear ones, the head.
+  const auto spec = correctness::ChainSpec::parse("chain(in=4 width=4 classes=3 blocks=lin,lin,lin)");
+  const auto batch = spec.make_batch(3, 1);
+  StrategyConfig base;
+  base.optimizer.lr = 0.05;
+  auto reference = make_offload({{"prefetch", "2"}}, base);
+  reference->attach(with_failing_block(spec, 1, nullptr));
+  reference->train_step(batch);
+  reference->optimizer_step();
+  const double expected = reference->train_step(batch);
+
+  std::shared_ptr<test::FailingBlock> failing;
+  auto s = make_offload({{"overlap_optimizer", "1"}, {"prefetch", "2"}}, base);
+  s->attach(with_failing_block(spec, 1, &failing));
+  auto gate = std::make_shared<device::Gate>();
+  OpenOnExit open_on_exit{gate};
+  s->hold_update_of(3, gate);
+  s->train_step(batch);
+  s->optimizer_step();
+  failing->fail_after = failing->calls;  // its next forward throws
+  {
+    // The failed step drains the host's updates: the held one may run once block 1 has thrown.
+    const int before = failing->calls;
+    OpenLater opener(gate, 30s, [&] { return failing->calls > before; });
+    EXPECT_THROW(s->train_step(batch), std::exception);
+  }
+  EXPECT_EQ(s->references_held(), 0);
+  EXPECT_EQ(s->offloaded_bytes_on_device(), 0);
+  failing->fail_after = -1;
+  const double loss = s->train_step(batch);
+  s->optimizer_step();
+  EXPECT_NEAR(loss, expected, 1e-6 * std::abs(expected)) << "the step after the failure read stale or missing weights";
+}
+
 // A backward that fails after a tied unit's first use was summed on the device (here the block
 // between its two uses throws in its recompute) must not leave that partial sum to the next step:
 // the next step's gradients of the blocks up to the failure, the shared weight's among them, equal
 // the baseline's for the same batch. (The blocks whose gradients already went to the host in the
 // failed step are not compared: plain mode keeps them, as an accumulated micro-batch.)
 TEST(HookOffload, a_backward_that_fails_between_a_tied_units_uses_leaves_no_partial_sum) {
+  // Blocks: the input layer, shared0, the failing one, shared0, the head.
   const auto spec = correctness::ChainSpec::parse("chain(in=4 width=4 classes=3 blocks=shared0,lin,shared0)");
-  auto build = [&](std::shared_ptr<test::FailingBlock>* failing) {
-    auto model = spec.build(0);
-    auto blocks = model.blocks();  // input layer, shared0, lin, shared0, head
-    torch::manual_seed(7);
-    auto f = std::make_shared<test::FailingBlock>(4);
-    if (failing) *failing = f;
-    blocks[2] = f;
-    return models::BlockModel(model.config(), blocks);
-  };
+  auto build = [&](std::shared_ptr<test::FailingBlock>* failing) { return with_failing_block(spec, 2, failing); };
   const auto batch = spec.make_batch(3, 1);
   StrategyConfig c;
   c.device = test::device();

@@ -191,48 +191,61 @@ TEST(Optimizers, an_update_into_another_buffer_equals_the_in_place_one_whole_and
 
 // AdamW into other buffers streams blocks of its results past the cache when the three outputs sit
 // at the same offset within 16 bytes, element by element after the plain loop otherwise and for
-// a span's head and tail. Every alignment, whole and by rows of a width that is not a multiple of
-// the blocks, must give the in-place step to the bit. (Seen failing with a span's tail left
-// unwritten.)
+// a span's head and tail. Every alignment, whole and by rows (of a width that is not a multiple of
+// the blocks, and of an odd width, so rows start at every offset), spans shorter than a head, and
+// a rounded bf16 copy, must give the in-place step to the bit. (Seen failing with a span's tail
+// left unwritten.)
 TEST(Optimizers, an_update_into_another_buffer_is_exact_at_every_alignment) {
   OptimizerConfig config;
   config.kind = OptimizerKind::adamw;
   config.lr = 1e-2;
-  torch::manual_seed(5);
-  const int64_t rows = 6, cols = 1300;  // two blocks of 512 and a tail in each row
-  const int64_t n = rows * cols;
-  auto param = torch::randn({n});
-  OptimizerState state;
-  optimizer_update(config, param, torch::randn({n}), state);
-  const auto grad = torch::randn({n});
-  auto expected = param.clone();
-  OptimizerState expected_state{state.exp_avg.clone(), state.exp_avg_sq.clone(), state.step};
-  optimizer_update(config, expected, grad, expected_state);
   const auto chosen = torch::tensor({4, 0, 3}, torch::kLong);
-  // Outputs placed at element offsets within larger buffers: the same offset for all three, and mixed.
-  for (const auto& at : std::vector<std::array<int64_t, 3>>{{0, 0, 0}, {1, 1, 1}, {2, 2, 2}, {3, 3, 3}, {1, 0, 3}, {0, 2, 2}}) {
-    const std::string where = "offsets " + std::to_string(at[0]) + "," + std::to_string(at[1]) + "," + std::to_string(at[2]);
-    auto placed = [&](int64_t offset) { return torch::full({n + 8}, 7.0f).narrow(0, offset, n); };
-    for (bool by_rows : {false, true}) {
-      auto to = placed(at[0]);
-      OptimizerState to_state{placed(at[1]), placed(at[2]), 0};
-      if (by_rows)
-        optimizer_update_into(config, param, state, grad, to, to_state, {}, chosen, cols);
-      else
-        optimizer_update_into(config, param, state, grad, to, to_state);
-      const auto check = [&](const torch::Tensor& actual, const torch::Tensor& reference, const char* what) {
-        if (!by_rows) {
-          EXPECT_TRUE(torch::equal(actual, reference)) << where << ": whole, " << what;
-          return;
-        }
-        const auto r = actual.view({rows, cols}), e = reference.view({rows, cols});
-        EXPECT_TRUE(torch::equal(r.index_select(0, chosen), e.index_select(0, chosen))) << where << ": rows, " << what;
-        EXPECT_TRUE(torch::equal(r.index_select(0, torch::tensor({1, 2, 5}, torch::kLong)), torch::full({3, cols}, 7.0f)))
-            << where << ": rows not chosen were written, " << what;
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{6, 1300}, {6, 1301}, {1, 1}, {1, 2}, {1, 3}, {1, 7}}) {
+    torch::manual_seed(5);
+    const int64_t n = rows * cols;
+    auto param = torch::randn({n});
+    OptimizerState state;
+    optimizer_update(config, param, torch::randn({n}), state);
+    const auto grad = torch::randn({n});
+    auto expected = param.clone();
+    OptimizerState expected_state{state.exp_avg.clone(), state.exp_avg_sq.clone(), state.step};
+    auto expected_rounded = torch::empty({n}, torch::kBFloat16);
+    optimizer_update(config, expected, grad, expected_state, expected_rounded);
+    // Outputs placed at element offsets within larger buffers: the same offset for all three, and
+    // mixed; the rounded copy at an offset of its own.
+    for (const auto& at : std::vector<std::array<int64_t, 4>>{
+             {0, 0, 0, 0}, {1, 1, 1, 3}, {2, 2, 2, 1}, {3, 3, 3, 0}, {1, 0, 3, 2}, {0, 2, 2, 5}}) {
+      const std::string where = std::to_string(rows) + " x " + std::to_string(cols) + ", offsets " + std::to_string(at[0]) +
+                                "," + std::to_string(at[1]) + "," + std::to_string(at[2]) + "," + std::to_string(at[3]);
+      auto placed = [&](int64_t offset, torch::ScalarType dtype) {
+        return torch::full({n + 8}, 7.0f, torch::TensorOptions().dtype(dtype)).narrow(0, offset, n);
       };
-      check(to, expected, "parameter");
-      check(to_state.exp_avg, expected_state.exp_avg, "first moment");
-      check(to_state.exp_avg_sq, expected_state.exp_avg_sq, "second moment");
+      for (bool by_rows : {false, true}) {
+        if (by_rows && rows < 5) continue;  // the chosen rows need six
+        auto to = placed(at[0], torch::kFloat);
+        OptimizerState to_state{placed(at[1], torch::kFloat), placed(at[2], torch::kFloat), 0};
+        auto rounded = placed(at[3], torch::kBFloat16);
+        if (by_rows)
+          optimizer_update_into(config, param, state, grad, to, to_state, rounded, chosen, cols);
+        else
+          optimizer_update_into(config, param, state, grad, to, to_state, rounded);
+        const auto check = [&, rows = rows, cols = cols](const torch::Tensor& actual, const torch::Tensor& reference,
+                                                         const char* what) {
+          if (!by_rows) {
+            EXPECT_TRUE(torch::equal(actual, reference)) << where << ": whole, " << what;
+            return;
+          }
+          const auto r = actual.view({rows, cols}), e = reference.view({rows, cols});
+          EXPECT_TRUE(torch::equal(r.index_select(0, chosen), e.index_select(0, chosen))) << where << ": rows, " << what;
+          EXPECT_TRUE(torch::equal(r.index_select(0, torch::tensor({1, 2, 5}, torch::kLong)),
+                                   torch::full({3, cols}, 7.0f, torch::TensorOptions().dtype(actual.scalar_type()))))
+              << where << ": rows not chosen were written, " << what;
+        };
+        check(to, expected, "parameter");
+        check(to_state.exp_avg, expected_state.exp_avg, "first moment");
+        check(to_state.exp_avg_sq, expected_state.exp_avg_sq, "second moment");
+        check(rounded, expected_rounded, "rounded copy");
+      }
     }
   }
 }

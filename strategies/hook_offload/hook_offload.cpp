@@ -383,8 +383,10 @@ void HookOffload::release(Unit& unit) {
   STRATA_CHECK(unit.references > 0, name_ << ": a unit was released more often than it was acquired");
   if (--unit.references > 0) return;
   if (unit.fetch_deferred) {  // never queued (a forward that failed first): nothing writes the buffer
+    const auto listed = std::find(deferred_.begin(), deferred_.end(), &unit);
+    STRATA_CHECK(listed != deferred_.end(), name_ << ": a deferred fetch was not listed (internal error)");
+    deferred_.erase(listed);
     unit.fetch_deferred = false;
-    deferred_.erase(std::find(deferred_.begin(), deferred_.end(), &unit));
   }
   // A fetch that nobody waited for may still be writing the buffer (CPU: the worker thread).
   compute_.wait(unit.loaded);
