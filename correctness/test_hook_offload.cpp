@@ -844,11 +844,14 @@ void expect_same_steps(const TwoSteps& expected, double loss, HookOffload& s, co
 // and mlp-tied-tiny are tied (the embedding's update is the last to become ready and the first
 // needed); resident=0 keeps block 0 on the device, whose copy is refreshed behind its update
 // instead of fetched (with a tied first block, the case where a GPU host ran into the next
-// backward before the update that its gradients wait for).
+// backward before the update that its gradients wait for). Both fetch orders: in_order holds the
+// copy stream itself.
 TEST(HookOffload, the_next_forward_waits_for_every_overlapped_update) {
   for (const auto* preset : {"gpt-tiny", "mlp-tiny", "mlp-tied-tiny"}) {
     for (const auto& extra : std::vector<std::map<std::string, std::string>>{
-             {{"prefetch", "0"}}, {{"prefetch", "2"}}, {{"prefetch", "1"}, {"resident", "0"}}}) {
+             {{"prefetch", "0"}}, {{"prefetch", "2"}}, {{"prefetch", "1"}, {"resident", "0"}},
+             {{"prefetch", "2"}, {"fetch_order", "in_order"}},
+             {{"prefetch", "1"}, {"resident", "0"}, {"fetch_order", "in_order"}}}) {
       auto options = extra;
       StrategyConfig base;
       base.optimizer.lr = 0.05;  // a step moves the loss well above rounding
