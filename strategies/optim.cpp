@@ -126,6 +126,13 @@ void fused_host_update(const OptimizerConfig& c, torch::Tensor& param, const tor
   });
 }
 
+// A rounded copy's element `i` (null where there is no rounded copy, Out = void).
+template <typename Out>
+Out* element(Out* out, int64_t i) {
+  if constexpr (std::is_void_v<Out>) return nullptr;
+  else return out + i;
+}
+
 // optimizer_update_into's spans: `n` elements read from the `_in` buffers and written to the
 // others, which never overlap them (optimizer_update_into checks `from` and `to`, and the states
 // are separate tensors): said by the restrict-qualified pointers here, and to the loops by ivdep,
@@ -149,22 +156,22 @@ void adamw_span(const AdamwStep& step, const float* __restrict__ p_in, const flo
   for (int64_t i = 0; i < n; ++i) step.apply(i, p_in, m_in, v_in, g, p, m, v, out);
 }
 
-#if defined(__SSE__)
 // An update into other buffers writes lines it never read: an ordinary store first reads each line
 // from memory (12 B an element more than in place, ~40 B against 28 for AdamW), and the lines
 // then displace the inputs from cache. This span computes blocks of elements into a staging area
 // that stays in cache, with the same element step, and streams them out with non-temporal stores,
 // which write whole lines without reading them. Needs p, m and v at the same offset within 16
-// bytes (buffers allocated alike are); otherwise, and for the head and tail, the plain span.
+// bytes (buffers allocated alike are); otherwise, for the head and tail, and without SSE, the plain
+// span.
 template <typename Out>
 void adamw_span_streamed(const AdamwStep& step, const float* p_in, const float* m_in, const float* v_in, const float* g,
                          float* p, float* m, float* v, Out* out, int64_t n) {
+#if !defined(__SSE__)
+  adamw_span(step, p_in, m_in, v_in, g, p, m, v, out, n);
+#else
   const auto misalign = [](const float* x) { return reinterpret_cast<std::uintptr_t>(x) & 15; };
   if (misalign(p) != misalign(m) || misalign(p) != misalign(v)) return adamw_span(step, p_in, m_in, v_in, g, p, m, v, out, n);
-  auto at = [&](int64_t i) -> Out* {
-    if constexpr (std::is_void_v<Out>) return nullptr;
-    else return out + i;
-  };
+  const auto at = [&](int64_t i) { return element(out, i); };
   const int64_t head = std::min<int64_t>(n, static_cast<int64_t>((16 - misalign(p)) & 15) / 4);
   adamw_span(step, p_in, m_in, v_in, g, p, m, v, at(0), head);
   constexpr int64_t kBlock = 512;  // 3 x 2 KiB of staging
@@ -181,8 +188,8 @@ void adamw_span_streamed(const AdamwStep& step, const float* p_in, const float* 
   }
   adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p + i, m + i, v + i, at(i), n - i);
   _mm_sfence();  // the streamed lines reach memory before this thread reports the span done
-}
 #endif
+}
 
 // optimizer_update_into's loop, over the whole tensor (rows == nullptr) or the listed rows of
 // `cols` elements.
@@ -190,16 +197,12 @@ template <typename Out>
 void fused_host_update_into(const OptimizerConfig& c, const float* p_in, OptimizerState& in, const float* g,
                             float* p_out, OptimizerState& out_state, Out* out, int64_t count, const int64_t* rows,
                             int64_t cols) {
-  auto at = [&](Out* o, int64_t i) -> Out* {
-    if constexpr (std::is_void_v<Out>) return nullptr;
-    else return o + i;
-  };
   if (c.kind == OptimizerKind::sgd) {
     const SgdStep step{static_cast<float>(c.momentum), static_cast<float>(c.lr), !in.exp_avg.defined()};
     const float* buf_in = step.first ? nullptr : in.exp_avg.data_ptr<float>();
     float* buf = out_state.exp_avg.data_ptr<float>();
     parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
-      sgd_span(step, p_in + i, step.first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, at(out, i), n);
+      sgd_span(step, p_in + i, step.first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, element(out, i), n);
     });
     return;
   }
@@ -209,11 +212,7 @@ void fused_host_update_into(const OptimizerConfig& c, const float* p_in, Optimiz
   float* v = out_state.exp_avg_sq.data_ptr<float>();
   const AdamwStep step(c, out_state.step);
   parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
-#if defined(__SSE__)
-    adamw_span_streamed(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
-#else
-    adamw_span(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, at(out, i), n);
-#endif
+    adamw_span_streamed(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, element(out, i), n);
   });
 }
 
