@@ -36,10 +36,20 @@ std::unique_ptr<HookOffload> make_offload(const std::map<std::string, std::strin
   return std::make_unique<HookOffload>("hook_offload", c, HookOffloadOptions::parse(options));
 }
 
-models::ModelConfig gpt(int64_t depth, int64_t width) {
+models::ModelConfig gpt(int64_t depth, int64_t width, int64_t vocab = 0) {
   auto c = models::preset("gpt-tiny").config;
   c.depth = depth;
   c.width = width;
+  if (vocab > 0) c.vocab = vocab;
+  return c;
+}
+
+// AdamW with a large learning rate: tests that compare steps to the bit want every parameter to
+// move visibly, and AdamW's parity allowance (which grows with the rate) is what they go beyond.
+StrategyConfig adamw(double lr = 1e-2) {
+  StrategyConfig c;
+  c.optimizer.kind = OptimizerKind::adamw;
+  c.optimizer.lr = lr;
   return c;
 }
 
@@ -100,6 +110,33 @@ int64_t opening_bytes(const models::BlockModel& m, int64_t last) {
     for (const auto& p : m.blocks()[b]->parameters())
       if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel() * 4;
   return n;
+}
+
+// tied_early (on by default with the overlapped optimizer): a tied matrix whose last use touches at
+// most half its rows goes to the device whole at the end of each backward, as the step from its
+// first use left it, and the next forward's fetch of it sends only the rows the batch's distinct
+// tokens touched. Both counted from the model and the batch (zero when nothing is tied, or the last
+// use is dense).
+struct EarlyBytes {
+  int64_t matrix = 0, rows = 0;
+};
+EarlyBytes tied_early_bytes(const models::BlockModel& m, const models::Batch& batch) {
+  std::map<const void*, std::pair<int, torch::Tensor>> uses;
+  for (const auto& block : m.blocks())
+    for (const auto& p : block->parameters()) {
+      auto& [count, tensor] = uses[p.unsafeGetTensorImpl()];
+      ++count;
+      tensor = p;
+    }
+  EarlyBytes early;
+  const int64_t tokens = std::get<0>(at::_unique(batch.input)).numel();
+  for (const auto& [key, use] : uses) {
+    const auto& [count, w] = use;
+    if (count != 2 || w.dim() < 2 || 2 * tokens > w.size(0)) continue;
+    early.matrix += w.numel() * 4;
+    early.rows += tokens * (w.numel() / w.size(0)) * 4;
+  }
+  return early;
 }
 
 // opening=auto resolved by the last optimizer_step: prefetch + 1 windows, none with prefetch=0.
@@ -238,14 +275,17 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
       s->optimizer_step();
       s->finish_step();
       const int64_t expected = plain ? expect_auto_opening(*s, model, prefetch, where) : 0;
+      // The overlapped mode's tied matrix went to the device during train_step (tied_early).
+      const auto early = plain ? EarlyBytes{} : tied_early_bytes(model, batch);
       if (!plain) {
         EXPECT_EQ(s->last_opening(), 0) << where;
+        EXPECT_GT(early.matrix, 0) << where << ": the GPT's tied matrix is not sparse in its last use";
       }
       EXPECT_EQ(s->stats().bytes_h2d, expected) << where;
-      EXPECT_EQ(s->offloaded_bytes_on_device(), expected) << where;
+      EXPECT_EQ(s->offloaded_bytes_on_device(), expected + early.matrix) << where;
       s->reset_stats();
       s->train_step(batch);
-      EXPECT_EQ(s->stats().bytes_h2d, first_step - expected) << where;
+      EXPECT_EQ(s->stats().bytes_h2d, first_step - expected - early.matrix + early.rows) << where;
       s->optimizer_step();
     }
   }
@@ -365,7 +405,13 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       const int64_t inputs = batch.input.nbytes() + batch.target.nbytes();
       const std::string where =
           mode + " vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch) + " carry_tied=" + std::to_string(carry);
-      EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs) << where;
+      // The overlapped mode also sends the tied matrix to the device at backward's end when its last
+      // use is sparse (tied_early), and the next forward's fetch of it then sends only the rows.
+      const auto early = mode == "overlap" ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
+      if (mode == "overlap" && vocab == 64) {
+        EXPECT_GT(early.matrix, 0) << where;
+      }
+      EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs + early.matrix) << where;
       EXPECT_EQ(stats.bytes_d2h, grads) << where;
       s->optimizer_step();
       // After a dense last use the tied matrix is summed on the device and sent once; after a
@@ -373,6 +419,9 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       s->reset_stats();
       s->train_step(batch);
       EXPECT_EQ(s->stats().bytes_d2h, vocab == 8 ? once : grads) << where << ", second step";
+      if (mode == "overlap") {  // (plain mode's optimizer_step fetched the opening windows, counted there)
+        EXPECT_EQ(s->stats().bytes_h2d, forward + backward + inputs + early.rows) << where << ", second step";
+      }
       s->optimizer_step();
       if (mode == "overlap") continue;  // it fetches nothing in optimizer_step
       // forward() alone moves what train_step's forward does, less the windows the step fetched.
@@ -1052,6 +1101,38 @@ TEST(HookOffload, a_failed_step_leaves_nothing_held_and_the_next_step_works) {
     s->optimizer_step();
   }
 }
+
+// tied_early: a step that fails after its forward took the tied matrix's early copy (its buffer
+// handed over, only the rows sent) leaves nothing held, and the steps after it see the same
+// weights as without the early copy: their losses are equal to the bit. Vocab 64, so the
+// embedding's last use is sparse and the early copy is taken.
+TEST(HookOffload, a_failed_step_after_an_early_tied_copy_leaves_nothing_stale) {
+  const auto config = gpt(2, 8, 64);
+  const auto base = adamw();
+  std::vector<double> losses[2];
+  for (int early : {0, 1}) {
+    const std::string where = "tied_early=" + std::to_string(early);
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}}, base);
+    s->attach(models::build_model(config, 0));
+    auto bad = models::make_batch(config, 2, 5);
+    bad.target = torch::zeros({3}, torch::kLong);
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {  // after two good steps: the early copy of the second is on the device
+        const auto matrix = tied_early_bytes(s->model(), bad).matrix;
+        EXPECT_EQ(s->offloaded_bytes_on_device(), early ? matrix : 0) << where;
+        EXPECT_THROW(s->train_step(bad), std::exception) << where;
+        EXPECT_EQ(s->references_held(), 0) << where;
+        EXPECT_EQ(s->offloaded_bytes_on_device(), 0) << where << ": the early copy outlived the failed step";
+      }
+      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
+      s->optimizer_step();
+    }
+  }
+  ASSERT_EQ(losses[0].size(), losses[1].size());
+  for (size_t i = 0; i < losses[0].size(); ++i)
+    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
+  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+}
 }  // namespace
 }  // namespace strata
 
@@ -1216,20 +1297,20 @@ TEST(HookOffload, a_forward_that_fails_between_a_shared_units_uses_keeps_nothing
 // with the learning rate, so a row stepped twice, or from the wrong start, could pass the parity
 // suite) the parameters after each of three steps from no optimizer state must be the same to the
 // bit with tied_rows on and off: in plain mode, in the overlapped mode, and there with the updates
-// held until backward has ended (every part then runs after every gradient has landed). Vocab 64
-// and 14 distinct tokens: the embedding's last use is sparse, so the rows are what travels.
+// held until backward has ended (every part then runs after every gradient has landed), and there
+// with tied_early=0 (the matrix fetched whole, not sent early with its rows after; the overlapped
+// mode's default sends it early, and the held mode cannot). Vocab 64 and 14 distinct tokens: the
+// embedding's last use is sparse, so the rows are what travels.
 TEST(HookOffload, tied_rows_never_changes_the_step) {
-  auto config = gpt(3, 8);
-  config.vocab = 64;
-  StrategyConfig base;
-  base.optimizer.kind = OptimizerKind::adamw;
-  base.optimizer.lr = 1e-2;
-  for (const std::string mode : {"plain", "overlap", "overlap, held"}) {
+  const auto config = gpt(3, 8, 64);
+  const auto base = adamw();
+  for (const std::string mode : {"plain", "overlap", "overlap, held", "overlap, tied_early=0"}) {
     std::vector<NamedTensors> trajectory[2];
     int64_t d2h[2] = {0, 0};
     for (int rows : {0, 1}) {
       std::map<std::string, std::string> options{{"tied_rows", std::to_string(rows)}};
       if (mode != "plain") options["overlap_optimizer"] = "1";
+      if (mode == "overlap, tied_early=0") options["tied_early"] = "0";
       auto s = make_offload(options, base);
       s->attach(models::build_model(config, 0));
       for (int step = 0; step < 3; ++step) {

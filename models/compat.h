@@ -60,4 +60,15 @@ inline void reallocate_storage(const c10::Storage& storage, size_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
+/// Moves the memory behind `from` into `to` (whose own must be released), leaving `from` with
+/// none: what was written into a spare buffer becomes a storage's own without a copy.
+inline void take_storage(const c10::Storage& to, const c10::Storage& from) {
+  auto* src = from.unsafeGetStorageImpl();
+  auto* dst = to.unsafeGetStorageImpl();
+  const size_t nbytes = src->nbytes();
+  dst->set_data_ptr_noswap(src->set_data_ptr(at::DataPtr(nullptr, src->device())));
+  dst->set_nbytes(nbytes);
+  src->set_nbytes(static_cast<size_t>(0));
+}
+
 }  // namespace strata::compat

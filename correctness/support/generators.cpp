@@ -106,7 +106,9 @@ namespace {
 // shared units carried between their forward uses or fetched again; a tied matrix's gradients
 // sent as the head's and the embedding's touched rows, or summed on the device (tied_rows 1 or 0,
 // or the variant's own default); with the overlapped optimizer, a fetch waiting for its update
-// letting updated units' fetches go first (the default) or all of them in forward order;
+// letting updated units' fetches go first (the default) or all of them in forward order, and a
+// tied matrix sent to the device at backward's end with only its rows at the next fetch (the
+// default) or whole at that fetch (tied_early=0);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -118,7 +120,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                                int resident2, bool on_device, bool recompute_resident, int tied_rows, bool in_order) {
+                                int resident2, bool on_device, bool recompute_resident, int tied_rows, bool in_order, bool late) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (tied_rows >= 0) o["tied_rows"] = std::to_string(tied_rows);
@@ -134,6 +136,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
           if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);
           if (in_order) o["fetch_order"] = "in_order";
+          if (late) o["tied_early"] = "0";
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
@@ -142,6 +145,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
         sometimes(uniform<int>(0, 4)),
         rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)), rc::gen::arbitrary<bool>(),
         rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(0, 2)}}),
+        rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}),
         rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}));
   };
 }

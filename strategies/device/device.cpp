@@ -210,6 +210,10 @@ class CpuComputeStream : public StreamImpl {
     delay(injected_delays().copy);
     detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
   }
+  void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
+    delay(injected_delays().copy);
+    detail::copy_rows_into(dst, index, src, /*non_blocking=*/false);
+  }
   std::shared_ptr<EventImpl> record() override { return completed_event(); }
   void wait(const std::shared_ptr<EventImpl>& event) override {
     if (event) event->synchronize();
@@ -245,6 +249,13 @@ class CpuSideStream : public StreamImpl {
     queue_.submit([dst, parts, d] {
       if (d.count() > 0) std::this_thread::sleep_for(d);
       detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
+    });
+  }
+  void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
+    const auto d = injected_delays().copy;
+    queue_.submit([dst, index, src, d] {
+      if (d.count() > 0) std::this_thread::sleep_for(d);
+      detail::copy_rows_into(dst, index, src, /*non_blocking=*/false);
     });
   }
   std::shared_ptr<EventImpl> record() override {
@@ -301,6 +312,26 @@ void detail::copy_parts_into(const torch::Tensor& dst, const std::vector<torch::
     dst.narrow(0, offset, part.numel()).copy_(part, non_blocking);
     offset += part.numel();
   }
+}
+
+void detail::copy_rows_into(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src,
+                            bool non_blocking) {
+  torch::NoGradGuard no_grad;
+  auto arrived = src.device() == dst.device() && src.scalar_type() == dst.scalar_type()
+                     ? src
+                     : src.to(dst.options(), non_blocking);
+  dst.index_copy_(0, index, arrived);
+}
+
+void Stream::copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) {
+  STRATA_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.size(1) == src.size(1),
+               "Stream::copy_rows: rows of " << src.sizes() << " cannot go into rows of " << dst.sizes());
+  STRATA_CHECK(index.dim() == 1 && index.scalar_type() == torch::kLong && index.numel() == src.size(0) &&
+                   index.device() == dst.device(),
+               "Stream::copy_rows: the index must be " << src.size(0) << " int64 row numbers on " << dst.device()
+                                                       << ", not " << index.sizes() << " " << index.scalar_type()
+                                                       << " on " << index.device());
+  impl_->copy_rows(dst, index, src);
 }
 
 void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {

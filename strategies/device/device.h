@@ -153,6 +153,11 @@ class Stream {
   /// one transfer (one injected copy delay): pieces sent where they belong, not concatenated on
   /// the device first. Their sizes must add up to dst's.
   void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts);
+  /// Queues dst.index_copy_(0, index, src) as one transfer (one injected copy delay): the rows of
+  /// `src` (wherever it is, in any dtype) written into the rows `index` (distinct, int64, on dst's
+  /// device) of `dst`. On CUDA `src` crosses into a buffer on dst's device first, allocated on this
+  /// stream.
+  void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src);
   /// Queues an event and returns it.
   Event record();
   /// Makes later work on this stream wait for `event` (blocks the host only on CPU compute).
@@ -222,6 +227,8 @@ class StreamImpl {
   virtual void copy(const torch::Tensor& dst, const torch::Tensor& src) = 0;
   /// Checked by Stream::copy_parts: parts 1-D, their sizes adding up to dst's.
   virtual void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) = 0;
+  /// Checked by Stream::copy_rows: dst and src 2-D with equal widths, index 1-D int64 on dst's device.
+  virtual void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) = 0;
   virtual std::shared_ptr<EventImpl> record() = 0;
   virtual void wait(const std::shared_ptr<EventImpl>& event) = 0;
   virtual void synchronize() = 0;
@@ -234,6 +241,8 @@ class StreamImpl {
 namespace detail {
 /// dst's consecutive slices, from its start, take the parts in turn (what copy_parts queues).
 void copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts, bool non_blocking);
+/// dst's rows `index` take src's rows, src brought to dst's device and dtype first (what copy_rows queues).
+void copy_rows_into(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src, bool non_blocking);
 std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device);
 std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device);
 AllocatorStats cuda_allocator_stats(const torch::Device& device);

@@ -42,6 +42,12 @@ class CudaStream : public StreamImpl {
     delay(injected_delays().copy);
     detail::copy_parts_into(dst, parts, /*non_blocking=*/true);
   }
+  void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
+    c10::cuda::CUDAStreamGuard guard(stream_);
+    delay(injected_delays().copy);
+    // The rows' buffer on the device is allocated on this stream, so it is freed behind its use.
+    detail::copy_rows_into(dst, index, src, /*non_blocking=*/true);
+  }
   std::shared_ptr<EventImpl> record() override { return std::make_shared<CudaEvent>(stream_); }
   void wait(const std::shared_ptr<EventImpl>& event) override {
     if (event) static_cast<CudaEvent&>(*event).block(stream_);

@@ -34,6 +34,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.recompute = reader.get_choice("activations", {"recompute", "keep"}) == "recompute";
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
+  o.tied_early = reader.get_bool("tied_early", o.tied_early);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
@@ -114,6 +115,17 @@ struct HookOffload::Unit {
   /// The host worker's own: this step's first part ran to its end. A rows part after one that did
   /// not takes the whole step instead of the rows alone.
   bool first_part_done = false;
+  /// Opens once this step's first part has ended, whether it ran or failed (null before one is queued).
+  std::shared_ptr<device::Gate> first_part_ended;
+  /// tied_early: the host buffer this step's first part writes (in the transfer dtype), and the
+  /// device buffer it went to once written; its rows the last use touched (on the device, with the
+  /// compute event that made them) and their stepped values (pinned host), sent by the next fetch.
+  torch::Tensor early_source, early_flat, early_touched, early_staging;
+  device::Event early_touched_made, early_loaded;
+  /// Opens once the rows part has gathered its rows into early_staging (never, if it failed).
+  std::shared_ptr<device::Gate> early_rows_gathered;
+  /// The unit's device buffer is the early one, handed over by acquire(): its fetch sends the rows alone.
+  bool early_rows_next = false;
   bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   std::vector<int64_t> uses;    ///< the blocks whose windows hold this unit, in forward order
@@ -152,6 +164,9 @@ struct HookOffload::ReadyUpdate {
   OptimizerState* from_state = nullptr;
   OptimizerState* to_state = nullptr;
   torch::Tensor values, touched;              ///< rows: the touched rows' gradients and indices, on the host
+  torch::Tensor staging;                      ///< rows, tied_early: takes the stepped rows (transfer dtype)
+  std::shared_ptr<device::Gate> gathered;     ///< rows, tied_early: opened once staging holds them
+  device::Event source_read;                  ///< rows, tied_early: the early copy has read the buffer
 };
 
 HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
@@ -323,10 +338,24 @@ void HookOffload::fetch(Unit& unit) {
 }
 
 void HookOffload::queue_copy(Unit& unit) {
-  h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
+  if (unit.early_rows_next && unit.early_rows_gathered->is_open()) {
+    // tied_early: the buffer holds the matrix as the first part stepped it; of the rows part's
+    // result only the rows it stepped again differ.
+    unit.early_rows_next = false;
+    h2d_.wait(unit.early_touched_made);
+    h2d_.keep_alive(unit.early_touched);
+    h2d_.copy_rows(unit.device_flat.view({unit.rows, -1}), unit.early_touched, unit.early_staging);
+    bytes_h2d_ += unit.early_staging.nbytes();
+    drop_early(unit);
+  } else {
+    // Also the early buffer whose rows are not known to be gathered: queued in forward order before
+    // the rows part ran (fetch_order=in_order), or after a rows part that failed.
+    drop_early(unit);  // superseded: this copy reads the latest master whole
+    h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
+    bytes_h2d_ += unit.travel_bytes;
+  }
   unit.loaded = h2d_.record();
   unit.stale = false;
-  bytes_h2d_ += unit.travel_bytes;
   if (fetch_observer_) fetch_observer_(unit.first_use);
 }
 
@@ -362,6 +391,29 @@ void HookOffload::acquire(Unit& unit) {
     ++unit.references;
     return;
   }
+  if (unit.early_flat.defined()) {
+    // tied_early: the matrix went to a buffer of its own during the last backward; that memory
+    // becomes the unit's (allocated on the copy stream, as below), and its fetch sends the rows
+    // whose step came after. Its bytes were counted when it was allocated. As in release(), the
+    // copy into it must have run before its memory moves (on the CPU a queued copy writes
+    // through the tensor when it runs; a CUDA copy was queued with its address).
+    compute_.wait(unit.early_loaded);
+    compat::take_storage(unit.device_flat.storage(), unit.early_flat.storage());
+    unit.early_flat = torch::Tensor();
+    unit.early_rows_next = true;
+    try {
+      fetch(unit);
+    } catch (...) {  // the memory goes, as release() lets it go, and with it the early copy
+      drop_early(unit);
+      compute_.wait(h2d_.record());
+      compute_.keep_alive(unit.device_flat);
+      compat::release_storage(unit.device_flat.storage());
+      resident_bytes_ -= unit.bytes;
+      throw;
+    }
+    unit.references = 1;
+    return;
+  }
   {
     // Allocate on the copy stream, which writes it first; compute marks its use (keep_alive), so
     // the caching allocator does not hand the memory out again before compute is done with it.
@@ -387,6 +439,7 @@ void HookOffload::release(Unit& unit) {
     STRATA_CHECK(listed != deferred_.end(), name_ << ": a deferred fetch was not listed (internal error)");
     deferred_.erase(listed);
     unit.fetch_deferred = false;
+    if (unit.early_rows_next) drop_early(unit);  // the rows never followed: the buffer goes, and with it the early copy
   }
   // A fetch that nobody waited for may still be writing the buffer (CPU: the worker thread).
   compute_.wait(unit.loaded);
@@ -612,7 +665,8 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   // Waits for the compute that produced it (the last thing backward does here: the embedding's).
   auto touched = matrix.ne(0).any(1).nonzero().squeeze(1);
   const int64_t n = touched.size(0);
-  if (2 * n > unit.rows) {
+  const bool dense = 2 * n > unit.rows;
+  if (dense) {
     // Dense after all (a matrix both of whose uses are dense, say): from the next step on summed on
     // the device and sent once, which costs less. This step's is added on the host in full (in
     // overlap mode as rows, all that are touched, since the first part is queued already).
@@ -629,7 +683,19 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   d2h_.copy(host_touched, touched);
   bytes_d2h_ += values.nbytes() + touched.nbytes();
   last_copy_ = d2h_.record();
-  if (options_.overlap_optimizer) return queue_rows_part(unit, last_copy_, host_values, host_touched);
+  if (options_.overlap_optimizer) {
+    torch::Tensor staging;
+    device::Event source_read;
+    if (!dense && queue_early_copy(unit)) {
+      source_read = unit.early_loaded;
+      staging = device::host_buffer({n, cols}, config_.precision.transfer, config_.device);
+      unit.early_touched = touched;
+      unit.early_touched_made = compute_.record();
+      unit.early_staging = staging;
+      unit.early_rows_gathered = std::make_shared<device::Gate>();
+    }
+    return queue_rows_part(unit, last_copy_, host_values, host_touched, staging, source_read);
+  }
   add_on_host(last_copy_, [host_values, host_touched, grad = unit.host_grad] { add_rows(grad, host_values, host_touched); });
 }
 
@@ -723,14 +789,72 @@ void HookOffload::queue_first_part(Unit& unit) {
   // that fails before that leaves the master as it was (this part wrote only the spare buffers).
   auto update = spare_part(unit, last_copy_);
   update.part = ReadyUpdate::Part::first;
+  update.done = unit.first_part_ended = std::make_shared<device::Gate>();  // opened however it ends
+  unit.early_source = update.to_travel.defined() ? update.to_travel : update.to;
   push_update(std::move(update));
 }
 
-void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched) {
+bool HookOffload::queue_early_copy(Unit& unit) {
+  if (!options_.tied_early || !unit.first_part_ended) return false;
+  // A unit some resident block holds keeps its device copy, refreshed whole.
+  if (std::any_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; })) return false;
+  bool held = step_copies_held_ || step_update_hold_;
+  {
+    std::lock_guard<std::mutex> lock(ready_mutex_);
+    held = held || unit_hold_;
+  }
+  // The first part is the first update the host takes once the head's gradient has landed, so it
+  // has normally ended long before the embedding's backward. A test's hold would keep it from ever
+  // ending here: then only one that already has counts. So would an update that failed.
+  while (!unit.first_part_ended->is_open()) {
+    if (held) return false;
+    {
+      std::lock_guard<std::mutex> lock(ready_mutex_);
+      if (update_error_) return false;
+    }
+    unit.first_part_ended->wait_for(std::chrono::milliseconds(1));
+  }
+  if (!unit.first_part_done) return false;  // it failed: the rows part takes the whole step
+  drop_early(unit);
+  try {
+    device::Stream::Guard on_h2d(h2d_);  // allocated on the stream that writes it, as acquire() does
+    unit.early_flat = torch::empty({unit.numel}, unit.device_flat.options());
+    if (options_.debug_poison) {
+      torch::NoGradGuard no_grad;
+      unit.early_flat.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+  } catch (const c10::OutOfMemoryError&) {  // the matrix's second device copy does not fit: fetched whole
+    unit.early_flat = torch::Tensor();
+    return false;
+  }
+  h2d_.copy(unit.early_flat, unit.early_source);  // transfer=fp32 under bf16: cast on arrival
+  unit.early_loaded = h2d_.record();
+  bytes_h2d_ += unit.travel_bytes;
+  resident_bytes_ += unit.bytes;
+  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
+  return true;
+}
+
+void HookOffload::drop_early(Unit& unit) {
+  if (unit.early_flat.defined()) {
+    resident_bytes_ -= unit.bytes;
+    unit.early_flat = torch::Tensor();  // allocated on the copy stream: reused only behind its copy
+  }
+  unit.early_touched = torch::Tensor();
+  unit.early_staging = torch::Tensor();
+  unit.early_rows_gathered.reset();
+  unit.early_rows_next = false;
+}
+
+void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched,
+                                  torch::Tensor staging, device::Event source_read) {
   auto update = spare_part(unit, std::move(landed));
   update.part = ReadyUpdate::Part::rows;
   update.values = std::move(values);
   update.touched = std::move(touched);
+  update.staging = std::move(staging);
+  update.gathered = unit.early_rows_gathered;
+  update.source_read = std::move(source_read);
   gate_next_fetch(unit, update);
   // The step's values are written into the spare buffers: from now on they are the master, read by
   // the unit's next fetch (behind `done`) and by parameters(). The old master is read until then
@@ -781,7 +905,9 @@ void HookOffload::run_next_update() {
           held = true;  // hold_update_of
           continue;
         }
-        const bool landed = r.landed.done();
+        // (tied_early: a rows part waits for the early copy's read of its buffer too; until then it
+        // is not taken ahead of updates that can run at once.)
+        const bool landed = r.landed.done() && r.source_read.done();
         if (best < 0 || (landed && !best_landed) ||
             (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
           best = static_cast<int64_t>(i);
@@ -830,9 +956,16 @@ void HookOffload::run_next_update() {
       // The rows alone after a first part that ran; every row after one that failed.
       const bool rows = !first && unit.first_part_done;
       unit.first_part_done = false;
+      // tied_early: the copy to the device reads this buffer whole; its touched rows change only after.
+      next.source_read.synchronize();
       optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
                             next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
       unit.first_part_done = first;
+      if (next.staging.defined()) {  // tied_early (queued only after a first part that ran): the rows for the next fetch
+        const auto& stepped = next.to_travel.defined() ? next.to_travel : next.to;
+        at::index_select_out(next.staging, stepped.view({-1, next.staging.size(1)}), 0, next.touched);
+        next.gathered->open();
+      }
     }
     if (next.part == Part::first) return;  // the unit is not updated yet
     std::lock_guard<std::mutex> lock(ready_mutex_);
@@ -921,6 +1054,7 @@ double HookOffload::train_step(const models::Batch& batch) {
   } else {
     finish_pending();
   }
+  step_copies_held_ = static_cast<bool>(copy_hold_);
   if (copy_hold_) d2h_.hold(std::move(copy_hold_));
   for (auto& unit : units_) {
     unit.pending_users = unit.users;
@@ -941,6 +1075,7 @@ double HookOffload::train_step(const models::Batch& batch) {
         // A first use already on the host, its last use never came: that host gradient is this
         // step's alone (a first use is sent only when the unit held none), so it is dropped.
         if (std::exchange(unit.first_use_sent, false)) unit.grad_filled = false;
+        drop_early(unit);  // its rows part may not have come; the next fetch sends the master whole
       }
       try {
         host_.drain();
@@ -1213,6 +1348,9 @@ static const OptionDocumenter hook_offload_docs(
       "a tied matrix used twice (embedding and head): the first use's gradient goes to the host at once and of the last "
       "use's only the rows it touched (with overlap_optimizer the host steps the matrix from the first at once, into a "
       "second copy, and the touched rows again when they land); 0: the two are summed on the device and travel once"},
+     {"tied_early", "0/1",
+      "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device at the end of "
+      "backward, and the next forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
      {"activations", "recompute, keep",
       "recompute blocks in backward, or keep their activations (resident ones follow resident_activations)"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},

@@ -73,6 +73,11 @@ struct HookOffloadOptions {
   /// rather than after its end, for one more host copy of the matrix and its state and the touched
   /// rows' step taken twice. false: the uses' gradients are summed on the device and travel once.
   bool tied_rows = true;
+  /// tied_early, with tied_rows and overlap_optimizer: the matrix as the first use's step left it
+  /// goes to the device at the end of backward, beside the host's last updates, and the next
+  /// fetch sends only the touched rows once their step has run (gpt-871m: 59 of 262 MB at the
+  /// step's boundary), for the matrix's device bytes held from then to the next forward.
+  bool tied_early = true;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
@@ -136,7 +141,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   void reset_stats() override;
 
   /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
-  /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows.
+  /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows. With
+  /// overlap_optimizer and tied_early, from the end of backward to the next forward's first use of
+  /// it, a tied matrix whose last use was sparse.
   int64_t offloaded_bytes_on_device() const;
   /// The windows the last optimizer_step fetched for the next forward (or found resident), fewer
   /// than planned if a fetch ran out of memory; 0 before the first.
@@ -215,7 +222,15 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// ... and its last use's touched rows (values [n, cols] and indices, on the host once `landed`
   /// has passed): added to the gradient and their step taken again from the same start. The spare
   /// buffers become the unit's master.
-  void queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched);
+  /// tied_early: `staging` (undefined: not early) takes the stepped rows for the next fetch, and
+  /// the part writes nothing before `source_read` (the early copy's read of the buffer) has passed.
+  void queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched,
+                       torch::Tensor staging, device::Event source_read);
+  /// tied_early: once this step's first part has run (waited for, unless a test holds updates or
+  /// copies), the buffer it wrote is queued to a device buffer of its own; false if not.
+  bool queue_early_copy(Unit& unit);
+  /// Forgets a unit's early copy (a full fetch or a failed step supersedes it).
+  void drop_early(Unit& unit);
   /// A part of the unit's step from its master into its spare buffers.
   ReadyUpdate spare_part(Unit& unit, device::Event landed);
   void push_update(ReadyUpdate update);
@@ -308,6 +323,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
   std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
+  bool step_copies_held_ = false;  ///< this step's gradient copies wait for a test's gate (hold_gradient_copies)
   int64_t released_late_ = -1;   ///< debug_release_late: the block whose window is still held
   int64_t backward_seen_bytes_ = 0;  ///< the most device memory allocated at a backward hook this step
   int64_t last_opening_ = 0;         ///< last_opening()
