@@ -1340,6 +1340,48 @@ TEST(HookOffload, tied_rows_never_changes_the_step) {
   }
 }
 
+// tied_early: a rows part that fails after its step but before it gathers the rows leaves the next
+// fetch nothing to send but the whole matrix. Every step that succeeds, before and after the error
+// is reported (by optimizer_step or the next train_step, whichever comes after it), computes what
+// the same steps compute with tied_early=0: their losses are equal to the bit, and the error is
+// reported once. (Seen failing with the fetch sending the rows it was never given.)
+TEST(HookOffload, a_rows_part_that_fails_before_its_gather_leaves_the_whole_matrix_to_fetch) {
+  const auto config = gpt(2, 8, 64);
+  const auto base = adamw();
+  std::vector<double> losses[2];
+  int errors[2] = {0, 0};
+  for (int early : {0, 1}) {
+    const std::string where = "tied_early=" + std::to_string(early);
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}}, base);
+    s->attach(models::build_model(config, 0));
+    for (int step = 0; step < 4; ++step) {
+      if (step == 1) s->fail_next_gather();  // tied_early=0 gathers nothing: it never fires there
+      const auto batch = models::make_batch(config, 2, step + 1);
+      bool ran = false;
+      for (int attempt = 0; attempt < 2 && !ran; ++attempt) {
+        try {
+          losses[early].push_back(s->train_step(batch));
+          ran = true;
+        } catch (const std::exception&) {  // the error reported at the start of the next step
+          ++errors[early];
+        }
+      }
+      ASSERT_TRUE(ran) << where << ": step " << step << " failed twice";
+      try {
+        s->optimizer_step();
+      } catch (const std::exception&) {  // or here, once the step's bookkeeping is done
+        ++errors[early];
+      }
+    }
+    s->parameters();  // every update has run
+  }
+  EXPECT_EQ(errors[0], 0);
+  EXPECT_EQ(errors[1], 1) << "the injected failure was not reported, or not once";
+  ASSERT_EQ(losses[0].size(), losses[1].size());
+  for (size_t i = 0; i < losses[0].size(); ++i) EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
+  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+}
+
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on
 // the host worker's thread, so their spans reach a trace only if the worker runs them in the
 // state of the thread that queued them (strata_compare --profile-steps relies on it). A callback

@@ -962,6 +962,7 @@ void HookOffload::run_next_update() {
                             next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
       unit.first_part_done = first;
       if (next.staging.defined()) {  // tied_early (queued only after a first part that ran): the rows for the next fetch
+        STRATA_CHECK(!fail_next_gather_.exchange(false), name_ << ": a rows part failed before its gather (injected by a test)");
         const auto& stepped = next.to_travel.defined() ? next.to_travel : next.to;
         at::index_select_out(next.staging, stepped.view({-1, next.staging.size(1)}), 0, next.touched);
         next.gathered->open();

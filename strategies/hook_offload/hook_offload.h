@@ -183,6 +183,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// Calls `observer` with a unit's first block each time that unit's copy to the device is queued,
   /// on the thread that queues it (tests: the order fetches reach the link).
   void observe_fetches(std::function<void(int64_t first_use)> observer) { fetch_observer_ = std::move(observer); }
+  /// tied_early: the next rows part throws once its step has run, before it gathers the rows for
+  /// the next fetch (tests: a host update that fails there; the fetch must not send those rows).
+  void fail_next_gather() { fail_next_gather_ = true; }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -321,6 +324,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   int64_t unit_hold_first_use_ = -1;                ///< hold_update_of (ready_mutex_)
   std::shared_ptr<const device::Gate> unit_hold_;   ///< hold_update_of (ready_mutex_)
   std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
+  std::atomic<bool> fail_next_gather_{false};       ///< fail_next_gather
   std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   bool step_copies_held_ = false;  ///< this step's gradient copies wait for a test's gate (hold_gradient_copies)
