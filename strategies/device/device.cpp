@@ -317,10 +317,7 @@ void detail::copy_parts_into(const torch::Tensor& dst, const std::vector<torch::
 void detail::copy_rows_into(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src,
                             bool non_blocking) {
   torch::NoGradGuard no_grad;
-  auto arrived = src.device() == dst.device() && src.scalar_type() == dst.scalar_type()
-                     ? src
-                     : src.to(dst.options(), non_blocking);
-  dst.index_copy_(0, index, arrived);
+  dst.index_copy_(0, index, src.to(dst.options(), non_blocking));  // src itself where nothing changes
 }
 
 void Stream::copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) {

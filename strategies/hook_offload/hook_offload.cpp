@@ -341,19 +341,17 @@ void HookOffload::queue_copy(Unit& unit) {
   if (unit.early_rows_next && unit.early_rows_gathered->is_open()) {
     // tied_early: the buffer holds the matrix as the first part stepped it; of the rows part's
     // result only the rows it stepped again differ.
-    unit.early_rows_next = false;
     h2d_.wait(unit.early_touched_made);
     h2d_.keep_alive(unit.early_touched);
     h2d_.copy_rows(unit.device_flat.view({unit.rows, -1}), unit.early_touched, unit.early_staging);
     bytes_h2d_ += unit.early_staging.nbytes();
-    drop_early(unit);
   } else {
-    // Also the early buffer whose rows are not known to be gathered: queued in forward order before
-    // the rows part ran (fetch_order=in_order), or after a rows part that failed.
-    drop_early(unit);  // superseded: this copy reads the latest master whole
+    // Also into an early buffer whose rows are not known to be gathered: queued in forward order
+    // before the rows part ran (fetch_order=in_order), or after a rows part that failed.
     h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
     bytes_h2d_ += unit.travel_bytes;
   }
+  drop_early(unit);  // used, or superseded by a copy of the latest master whole
   unit.loaded = h2d_.record();
   unit.stale = false;
   if (fetch_observer_) fetch_observer_(unit.first_use);
@@ -401,17 +399,14 @@ void HookOffload::acquire(Unit& unit) {
     compat::take_storage(unit.device_flat.storage(), unit.early_flat.storage());
     unit.early_flat = torch::Tensor();
     unit.early_rows_next = true;
+    unit.references = 1;  // the memory exists already
     try {
       fetch(unit);
-    } catch (...) {  // the memory goes, as release() lets it go, and with it the early copy
+    } catch (...) {  // the memory goes, and with it the early copy
       drop_early(unit);
-      compute_.wait(h2d_.record());
-      compute_.keep_alive(unit.device_flat);
-      compat::release_storage(unit.device_flat.storage());
-      resident_bytes_ -= unit.bytes;
+      release(unit);
       throw;
     }
-    unit.references = 1;
     return;
   }
   {
@@ -439,7 +434,7 @@ void HookOffload::release(Unit& unit) {
     STRATA_CHECK(listed != deferred_.end(), name_ << ": a deferred fetch was not listed (internal error)");
     deferred_.erase(listed);
     unit.fetch_deferred = false;
-    if (unit.early_rows_next) drop_early(unit);  // the rows never followed: the buffer goes, and with it the early copy
+    drop_early(unit);  // the rows never followed (tied_early): the buffer goes, and with it the early copy
   }
   // A fetch that nobody waited for may still be writing the buffer (CPU: the worker thread).
   compute_.wait(unit.loaded);
@@ -684,17 +679,13 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   bytes_d2h_ += values.nbytes() + touched.nbytes();
   last_copy_ = d2h_.record();
   if (options_.overlap_optimizer) {
-    torch::Tensor staging;
-    device::Event source_read;
     if (!dense && queue_early_copy(unit)) {
-      source_read = unit.early_loaded;
-      staging = device::host_buffer({n, cols}, config_.precision.transfer, config_.device);
       unit.early_touched = touched;
       unit.early_touched_made = compute_.record();
-      unit.early_staging = staging;
+      unit.early_staging = device::host_buffer({n, cols}, config_.precision.transfer, config_.device);
       unit.early_rows_gathered = std::make_shared<device::Gate>();
     }
-    return queue_rows_part(unit, last_copy_, host_values, host_touched, staging, source_read);
+    return queue_rows_part(unit, last_copy_, host_values, host_touched);
   }
   add_on_host(last_copy_, [host_values, host_touched, grad = unit.host_grad] { add_rows(grad, host_values, host_touched); });
 }
@@ -795,6 +786,7 @@ void HookOffload::queue_first_part(Unit& unit) {
 }
 
 bool HookOffload::queue_early_copy(Unit& unit) {
+  drop_early(unit);  // (one the last forward never took)
   if (!options_.tied_early || !unit.first_part_ended) return false;
   // A unit some resident block holds keeps its device copy, refreshed whole.
   if (std::any_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; })) return false;
@@ -815,7 +807,6 @@ bool HookOffload::queue_early_copy(Unit& unit) {
     unit.first_part_ended->wait_for(std::chrono::milliseconds(1));
   }
   if (!unit.first_part_done) return false;  // it failed: the rows part takes the whole step
-  drop_early(unit);
   try {
     device::Stream::Guard on_h2d(h2d_);  // allocated on the stream that writes it, as acquire() does
     unit.early_flat = torch::empty({unit.numel}, unit.device_flat.options());
@@ -846,15 +837,16 @@ void HookOffload::drop_early(Unit& unit) {
   unit.early_rows_next = false;
 }
 
-void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched,
-                                  torch::Tensor staging, device::Event source_read) {
+void HookOffload::queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched) {
   auto update = spare_part(unit, std::move(landed));
   update.part = ReadyUpdate::Part::rows;
   update.values = std::move(values);
   update.touched = std::move(touched);
-  update.staging = std::move(staging);
-  update.gathered = unit.early_rows_gathered;
-  update.source_read = std::move(source_read);
+  if (unit.early_staging.defined()) {  // tied_early (the worker gets its own handles to them)
+    update.staging = unit.early_staging;
+    update.gathered = unit.early_rows_gathered;
+    update.source_read = unit.early_loaded;
+  }
   gate_next_fetch(unit, update);
   // The step's values are written into the spare buffers: from now on they are the master, read by
   // the unit's next fetch (behind `done`) and by parameters(). The old master is read until then

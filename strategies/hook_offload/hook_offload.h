@@ -225,10 +225,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// ... and its last use's touched rows (values [n, cols] and indices, on the host once `landed`
   /// has passed): added to the gradient and their step taken again from the same start. The spare
   /// buffers become the unit's master.
-  /// tied_early: `staging` (undefined: not early) takes the stepped rows for the next fetch, and
-  /// the part writes nothing before `source_read` (the early copy's read of the buffer) has passed.
-  void queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched,
-                       torch::Tensor staging, device::Event source_read);
+  /// tied_early (an early copy queued this step): the part writes nothing before that copy has read
+  /// its buffer, and gathers the stepped rows into the unit's staging buffer for the next fetch.
+  void queue_rows_part(Unit& unit, device::Event landed, torch::Tensor values, torch::Tensor touched);
   /// tied_early: once this step's first part has run (waited for, unless a test holds updates or
   /// copies), the buffer it wrote is queued to a device buffer of its own; false if not.
   bool queue_early_copy(Unit& unit);
