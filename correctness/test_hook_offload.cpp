@@ -112,7 +112,7 @@ int64_t opening_bytes(const models::BlockModel& m, int64_t last) {
   return n;
 }
 
-// tied_early (on by default with the overlapped optimizer): a tied matrix whose last use touches at
+// tied_early (an option of the overlapped optimizer): a tied matrix whose last use touches at
 // most half its rows goes to the device whole at the end of each backward, as the step from its
 // first use left it, and the next forward's fetch of it sends only the rows the batch's distinct
 // tokens touched. Both counted from the model and the batch (zero when nothing is tied, or the last
@@ -261,11 +261,12 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
   const auto batch = models::make_batch(config, 2, 1);
   const auto model = models::build_model(config, 0);
   for (int prefetch : {0, 1, 2}) {
-    for (const char* overlap : {"0", "1"}) {
-      const std::string where = "prefetch=" + std::to_string(prefetch) + " overlap_optimizer=" + overlap;
-      const bool plain = std::string(overlap) == "0";
+    for (const std::string mode : {"plain", "overlap", "overlap, tied_early=1"}) {
+      const std::string where = "prefetch=" + std::to_string(prefetch) + " " + mode;
+      const bool plain = mode == "plain", sent_early = mode == "overlap, tied_early=1";
       auto options = std::map<std::string, std::string>{{"prefetch", std::to_string(prefetch)},
-                                                        {"overlap_optimizer", overlap}};
+                                                        {"overlap_optimizer", plain ? "0" : "1"}};
+      if (sent_early) options["tied_early"] = "1";
       auto s = make_offload(options);
       s->attach(models::build_model(config, 0));
       s->reset_stats();
@@ -275,10 +276,12 @@ TEST(HookOffload, the_next_forwards_first_windows_are_fetched_in_the_optimizer_s
       s->optimizer_step();
       s->finish_step();
       const int64_t expected = plain ? expect_auto_opening(*s, model, prefetch, where) : 0;
-      // The overlapped mode's tied matrix went to the device during train_step (tied_early).
-      const auto early = plain ? EarlyBytes{} : tied_early_bytes(model, batch);
+      // With tied_early the tied matrix went to the device during train_step.
+      const auto early = sent_early ? tied_early_bytes(model, batch) : EarlyBytes{};
       if (!plain) {
         EXPECT_EQ(s->last_opening(), 0) << where;
+      }
+      if (sent_early) {
         EXPECT_GT(early.matrix, 0) << where << ": the GPT's tied matrix is not sparse in its last use";
       }
       EXPECT_EQ(s->stats().bytes_h2d, expected) << where;
@@ -358,9 +361,11 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
   // full after the head's backward, and then the embedding's gradient: only the rows of the
   // batch's distinct tokens, with their int64 indices, when those are at most half the
   // vocabulary (vocab 64), else in full again (vocab 8, where 16 tokens touch more than half).
-  // The same with the overlapped optimizer, which steps the matrix from the head's gradient first;
-  // with tied_rows=0 the two uses' gradients are summed on the device and go back once.
-  for (const std::string mode : {"plain", "overlap", "tied_rows=0"}) {
+  // The same with the overlapped optimizer, which steps the matrix from the head's gradient first
+  // (and with tied_early=1 sends it early, its rows at the next fetch); with tied_rows=0 the two
+  // uses' gradients are summed on the device and go back once.
+  for (const std::string mode : {"plain", "overlap", "overlap, tied_early=1", "tied_rows=0"}) {
+  const bool overlap = mode.rfind("overlap", 0) == 0;
   for (int64_t vocab : {64, 8}) {
     for (int prefetch : {0, 1}) {
      for (int carry : {0, 1}) {
@@ -390,12 +395,13 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
         // (The overlapped optimizer, whose first part is queued before the rows are counted, sends
         // the rows of a dense last use all the same.)
         if (mode != "tied_rows=0")
-          grads += 2 * tokens <= rows || mode == "overlap" ? tokens * (cols * 4 + 8) : rows * cols * 4;
+          grads += 2 * tokens <= rows || overlap ? tokens * (cols * 4 + 8) : rows * cols * 4;
         if (carry) forward -= w.numel() * 4;  // fetched for the embedding, kept for the head
       }
       ASSERT_EQ(tied, 1) << "the GPT ties its embedding and head";
       std::map<std::string, std::string> options{{"prefetch", std::to_string(prefetch)}, {"carry_tied", std::to_string(carry)}};
-      if (mode == "overlap") options["overlap_optimizer"] = "1";
+      if (overlap) options["overlap_optimizer"] = "1";
+      if (mode == "overlap, tied_early=1") options["tied_early"] = "1";
       if (mode == "tied_rows=0") options["tied_rows"] = "0";
       auto s = make_offload(options);
       s->attach(std::move(model));
@@ -405,10 +411,10 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       const int64_t inputs = batch.input.nbytes() + batch.target.nbytes();
       const std::string where =
           mode + " vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch) + " carry_tied=" + std::to_string(carry);
-      // The overlapped mode also sends the tied matrix to the device at backward's end when its last
-      // use is sparse (tied_early), and the next forward's fetch of it then sends only the rows.
-      const auto early = mode == "overlap" ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
-      if (mode == "overlap" && vocab == 64) {
+      // With tied_early the tied matrix also goes to the device at backward's end when its last use
+      // is sparse, and the next forward's fetch of it then sends only the rows.
+      const auto early = mode == "overlap, tied_early=1" ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
+      if (mode == "overlap, tied_early=1" && vocab == 64) {
         EXPECT_GT(early.matrix, 0) << where;
       }
       EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs + early.matrix) << where;
@@ -419,11 +425,11 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       s->reset_stats();
       s->train_step(batch);
       EXPECT_EQ(s->stats().bytes_d2h, vocab == 8 ? once : grads) << where << ", second step";
-      if (mode == "overlap") {  // (plain mode's optimizer_step fetched the opening windows, counted there)
+      if (overlap) {  // (plain mode's optimizer_step fetched the opening windows, counted there)
         EXPECT_EQ(s->stats().bytes_h2d, forward + backward + inputs + early.rows) << where << ", second step";
       }
       s->optimizer_step();
-      if (mode == "overlap") continue;  // it fetches nothing in optimizer_step
+      if (overlap) continue;  // it fetches nothing in optimizer_step
       // forward() alone moves what train_step's forward does, less the windows the step fetched.
       s->reset_stats();
       s->forward(batch.input);
@@ -1298,19 +1304,19 @@ TEST(HookOffload, a_forward_that_fails_between_a_shared_units_uses_keeps_nothing
 // suite) the parameters after each of three steps from no optimizer state must be the same to the
 // bit with tied_rows on and off: in plain mode, in the overlapped mode, and there with the updates
 // held until backward has ended (every part then runs after every gradient has landed), and there
-// with tied_early=0 (the matrix fetched whole, not sent early with its rows after; the overlapped
-// mode's default sends it early, and the held mode cannot). Vocab 64 and 14 distinct tokens: the
+// with tied_early=1 (the matrix sent early, its rows after; the overlapped mode's default fetches
+// it whole, and the held mode cannot send it early). Vocab 64 and 14 distinct tokens: the
 // embedding's last use is sparse, so the rows are what travels.
 TEST(HookOffload, tied_rows_never_changes_the_step) {
   const auto config = gpt(3, 8, 64);
   const auto base = adamw();
-  for (const std::string mode : {"plain", "overlap", "overlap, held", "overlap, tied_early=0"}) {
+  for (const std::string mode : {"plain", "overlap", "overlap, held", "overlap, tied_early=1"}) {
     std::vector<NamedTensors> trajectory[2];
     int64_t d2h[2] = {0, 0};
     for (int rows : {0, 1}) {
       std::map<std::string, std::string> options{{"tied_rows", std::to_string(rows)}};
       if (mode != "plain") options["overlap_optimizer"] = "1";
-      if (mode == "overlap, tied_early=0") options["tied_early"] = "0";
+      if (mode == "overlap, tied_early=1") options["tied_early"] = "1";
       auto s = make_offload(options, base);
       s->attach(models::build_model(config, 0));
       for (int step = 0; step < 3; ++step) {

@@ -599,7 +599,7 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   // Fetches in forward order, each behind its update, as well as ready ones first (the default).
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("fetch_order") > 0; }), 0.2);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("fetch_order") == 0; }), 0.4);
-  // A tied matrix sent whole at its fetch, as well as early with its rows after (the default).
+  // A tied matrix sent early with its rows after, as well as whole at its fetch (the default).
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_early") > 0; }), 0.2);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_early") == 0; }), 0.4);
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it

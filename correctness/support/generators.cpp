@@ -107,8 +107,8 @@ namespace {
 // sent as the head's and the embedding's touched rows, or summed on the device (tied_rows 1 or 0,
 // or the variant's own default); with the overlapped optimizer, a fetch waiting for its update
 // letting updated units' fetches go first (the default) or all of them in forward order, and a
-// tied matrix sent to the device at backward's end with only its rows at the next fetch (the
-// default) or whole at that fetch (tied_early=0);
+// tied matrix sent whole at its fetch (the default) or to the device at backward's end with only
+// its rows at the next fetch (tied_early=1);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -120,7 +120,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     constexpr int kFit = 1 << 20;  // drawn as opening=fit
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
-                                int resident2, bool on_device, bool recompute_resident, int tied_rows, bool in_order, bool late) {
+                                int resident2, bool on_device, bool recompute_resident, int tied_rows, bool in_order, bool early) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (tied_rows >= 0) o["tied_rows"] = std::to_string(tied_rows);
@@ -136,7 +136,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
           if (opening >= 0) o["opening"] = opening == kFit ? "fit" : std::to_string(opening);
           if (lead >= 0) o["lead"] = std::to_string(lead);
           if (in_order) o["fetch_order"] = "in_order";
-          if (late) o["tied_early"] = "0";
+          if (early) o["tied_early"] = "1";
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),

@@ -76,8 +76,10 @@ struct HookOffloadOptions {
   /// tied_early, with tied_rows and overlap_optimizer: the matrix as the first use's step left it
   /// goes to the device at the end of backward, beside the host's last updates, and the next
   /// fetch sends only the touched rows once their step has run (gpt-871m: 59 of 262 MB at the
-  /// step's boundary), for the matrix's device bytes held from then to the next forward.
-  bool tied_early = true;
+  /// step's boundary), for the matrix's device bytes held from then to the next forward. Off by
+  /// default: paired on three H200 hosts it moved gpt-871m's overlapped step by -6.3, -0.8 and +2.7
+  /// ms (two intervals across 0) and cost gpt-medium's +0.8 and +1.5 ms (bench/NOTES.md).
+  bool tied_early = false;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
