@@ -19,6 +19,7 @@
 // gate baseline. Cells whose options spread a strategy over several devices are timed on the host
 // clock with every device synchronised (events on one device would not see the others' work);
 // per-device peaks are added as counters peak_allocated_bytes.<device>.
+#include <ATen/record_function.h>
 #include <benchmark/benchmark.h>
 
 #include <atomic>
@@ -51,6 +52,7 @@ struct Settings {
   std::vector<std::string> strategies;
   int steps = 5;
   double peak_tflops = 0;  ///< 0: measured once at start
+  double dispatch_us = 0;  ///< the host's time to dispatch one small operator, measured at start
   OptimizerKind optimizer = OptimizerKind::adamw;
   PrecisionPolicy precision;                   ///< every cell's; a cell's name shows it unless fp32
   int64_t classes = 0;                         ///< overrides the presets' class count (bert, mlp)
@@ -187,6 +189,130 @@ double measure_host_triad_gbps() {
   return best;
 }
 
+// The host's speed at dispatching small operators to the device: microseconds per out-of-place add
+// of two 256-element tensors (dispatch, an output from the caching allocator, a kernel launch),
+// the best of five passes of 2,000, each ending once the device has run them. A step made of many
+// small kernels (gpt-medium in bf16 on an H200) runs at this speed rather than the device's; the
+// gate scales such cells' bars by it across hosts (ci/gate.py, bench/METRICS.md). Where the device
+// were slower per kernel than the host per dispatch, this would read the device's time instead.
+double measure_host_dispatch_us(const torch::Device& device) {
+  const auto x = torch::ones({256}, torch::TensorOptions().device(device));
+  auto y = x.clone();
+  for (int i = 0; i < 200; ++i) y = torch::add(y, x);  // the allocator's cache and the kernel warmed
+  device::synchronize(device);
+  constexpr int kOps = 2000;
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kOps; ++i) y = torch::add(y, x);
+    device::synchronize(device);
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / kOps;
+    best = rep == 0 ? us : std::min(best, us);
+  }
+  return best;
+}
+
+// How much a step slows when the host dispatches more slowly: one untimed step as it is, then one
+// in which every top-level ATen operator (on any thread: the caller's, autograd's, a strategy's
+// workers; those an operator calls from inside are not delayed again) first spins for `delay_us`
+// on the host, the probe's own time for one operator, as if the host took twice as long to
+// dispatch each. A step bound by its device hides the delay behind kernels already queued; a step
+// of many small kernels grows by about the delay times its operators. The gate lowers such
+// cells' bars on hosts that dispatch slower than the baseline's (ci/gate.py, bench/METRICS.md).
+struct DispatchSensitivity {
+  int64_t ops = 0;              ///< top-level operators of the delayed step (counter host_ops_per_step)
+  double step = 0, fwd_bwd = 0; ///< its relative slowdown, whole step and forward+backward
+};
+std::atomic<int64_t> g_ops{0};
+double g_delay_us = 0;
+// Operators open on this thread, counted from the innermost autograd node running on it: the
+// operators a backward node calls are top-level ones, also where the node runs inside the
+// caller's own backward operator (on the CPU, autograd runs on the calling thread).
+thread_local int t_depth = 0;
+thread_local std::vector<int> t_outer;  // the depths that autograd nodes opened on this thread hid
+std::unique_ptr<at::ObserverContext> delay_op(const at::RecordFunction& fn) {
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    t_outer.push_back(t_depth);
+    t_depth = 0;
+  } else if (t_depth++ == 0) {
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(g_delay_us);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  }
+  return nullptr;
+}
+void end_op(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (fn.scope() != at::RecordScope::BACKWARD_FUNCTION) {
+    --t_depth;
+  } else if (!t_outer.empty()) {
+    t_depth = t_outer.back();
+    t_outer.pop_back();
+  }
+}
+
+DispatchSensitivity dispatch_sensitivity(Strategy& strategy, const models::Batch& batch, double delay_us,
+                                         const torch::Device& device,
+                                         const std::shared_ptr<distributed::Group>& ranks) {
+  auto timed_step = [&](double& fwd_bwd_ms) {
+    strategy.finish_step();
+    device::synchronize_all();
+    const auto start = std::chrono::steady_clock::now();
+    strategy.train_step(batch);
+    strategy.finish_backward();
+    device::synchronize_all();
+    const auto backward_end = std::chrono::steady_clock::now();
+    strategy.optimizer_step();
+    strategy.finish_step();
+    device::synchronize_all();
+    fwd_bwd_ms = std::chrono::duration<double, std::milli>(backward_end - start).count();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  };
+  // Pairs of steps, plain then delayed: three where the first pair took under a third of a second
+  // (gpt-medium's), else one (gpt-871m's); the median of the pairs' ratios. Launched as several
+  // ranks, every rank runs as many pairs as the slowest rank's first pair allows (their steps meet
+  // in collectives).
+  std::vector<double> step_ratios, fwd_bwd_ratios;
+  int64_t ops = 0;
+  int pairs = 1;
+  const auto begin = std::chrono::steady_clock::now();
+  for (int pair = 0; pair < pairs; ++pair) {
+    double fb_plain = 0, fb_delayed = 0;
+    const double plain = timed_step(fb_plain);
+    g_ops = 0;
+    g_delay_us = delay_us;
+    double delayed = 0;
+    {
+      struct Delaying {
+        at::CallbackHandle handle = at::addGlobalCallback(
+            at::RecordFunctionCallback(delay_op, end_op)
+                .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+        ~Delaying() { at::removeCallback(handle); }
+      } delaying;
+      delayed = timed_step(fb_delayed);
+    }
+    ops = g_ops.load();
+    if (plain > 0) step_ratios.push_back(delayed / plain - 1.0);
+    if (fb_plain > 0) fwd_bwd_ratios.push_back(fb_delayed / fb_plain - 1.0);
+    if (pair == 0) {
+      double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      if (ranks) {
+        auto t = torch::tensor({first_s}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+        ranks->all_reduce(t, /*max=*/true).wait();
+        first_s = t.cpu()[0].item<double>();
+      }
+      pairs = first_s * 3 < 1.0 ? 3 : 1;
+    }
+  }
+  strategy.reset_stats();  // as warm_up left them: these steps are no repetition's
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return std::max(0.0, v[v.size() / 2]);
+  };
+  return {ops, median(step_ratios), median(fwd_bwd_ratios)};
+}
+
 // One cell: a strategy under its options on one preset.
 struct Cell {
   std::string strategy;
@@ -208,6 +334,7 @@ struct Live {
   Outcome setup = Outcome::ok;  ///< how building and warming up ended
   std::string setup_error;
   int64_t allocated_at_start = 0;  ///< device bytes allocated before the strategy was built
+  DispatchSensitivity dispatch;    ///< the step's slowdown under slower dispatching (above)
 };
 std::map<std::string, Live> g_live;
 
@@ -261,6 +388,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
         live.batch = models::make_batch(preset.config, preset.batch_size, 1);
         log("warm-up");
         warm_up(*live.strategy, live.batch);
+        live.dispatch = dispatch_sensitivity(*live.strategy, live.batch, settings.dispatch_us, dev, settings.ranks);
       } catch (const std::exception& e) {
         live.strategy.reset();
         live.setup_error = e.what();
@@ -347,6 +475,9 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["optimizer_ms"] = opt_ms / steps;
     state.counters["peak_allocated_bytes"] = static_cast<double>(peaks.allocated);
     state.counters["allocated_at_start_bytes"] = static_cast<double>(live.allocated_at_start);
+    state.counters["host_ops_per_step"] = static_cast<double>(live.dispatch.ops);
+    state.counters["dispatch_slowdown"] = live.dispatch.step;
+    state.counters["dispatch_slowdown_fwd_bwd"] = live.dispatch.fwd_bwd;
     // A pipeline timing its actions: its schedule simulated under the last step's measured action
     // costs, beside the measured forward + backward (bench/METRICS.md).
     if (auto* pipe = dynamic_cast<Pipeline*>(strategy.get())) {
@@ -473,10 +604,13 @@ int run(int argc, char** argv) {
   const double link = measure_h2d_gbps(s.device);
   // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
   const double host_triad = s.device.is_cuda() ? measure_host_triad_gbps() : 0.0;
+  s.dispatch_us = measure_host_dispatch_us(s.device);
+  const double dispatch_us = s.dispatch_us;
   std::fprintf(stderr,
                "device %s (%s): matmul %.1f TFLOP/s measured or given, %.1f by datasheet; H2D %.1f GB/s pinned; "
-               "host triad %.1f GB/s\n",
-               s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link, host_triad);
+               "host triad %.1f GB/s; host dispatch %.2f us an operator\n",
+               s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link, host_triad,
+               dispatch_us);
   benchmark::AddCustomContext("strata_device", s.device.str());
   benchmark::AddCustomContext("device_name", device_name);
   benchmark::AddCustomContext("host_cpu", host_cpu());
@@ -484,6 +618,7 @@ int run(int argc, char** argv) {
   benchmark::AddCustomContext("datasheet_tflops", std::to_string(s.datasheet_tflops));
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
   benchmark::AddCustomContext("host_triad_GBps", std::to_string(host_triad));
+  benchmark::AddCustomContext("host_dispatch_us", std::to_string(dispatch_us));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("precision", s.precision.to_string());
 

@@ -2,7 +2,8 @@
 """Self-test of ci/gate.py on synthetic runs: every branch of the gate must pass or fail as it
 should (throughput within and beyond its spread-derived threshold, memory growth on any device, a
 missing cell, a newly errored or parity-failed or out-of-memory cell, an unusable baseline, host-bound
-cells on hosts of different CPU classes, pipeline cells whose ranks share a device, new cells). Runs in CI (ctest: cpu.gate_self_test).
+cells on hosts of different CPU classes, pipeline cells whose ranks share a device, cells bound by the
+host's dispatching on a slower or faster host, new cells). Runs in CI (ctest: cpu.gate_self_test).
 
   python3 ci/test_gate.py
 """
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gate  # noqa: E402
 
 
-def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5, behind=0.0):
+def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5, behind=0.0, dispatch=None):
     """n repetitions of a cell around `ips` items/s, spread evenly over +-spread/2."""
     rows = []
     for i in range(n):
@@ -26,6 +27,8 @@ def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5,
              "items_per_second": ips * f, "fwd_bwd_ms": fwd_bwd_ms / f, "optimizer_on_host": host_bound,
              "fetches_behind_host_updates": behind,
              "peak_allocated_bytes": 10 * 2**30}
+        if dispatch is not None:  # the step's slowdown under one probe's delay an operator
+            r["dispatch_slowdown"] = r["dispatch_slowdown_fwd_bwd"] = dispatch
         r.update(peaks or {})
         rows.append(r)
     # The aggregates Google Benchmark appends must be ignored.
@@ -39,13 +42,18 @@ def errored(name, message):
              "error_message": message}]
 
 
-def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0):
+def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0, dispatch_now=0.0,
+        dispatch_base=0.0):
     with tempfile.TemporaryDirectory() as d:
         paths = []
-        for rows, host, triad, tag in ((current, host_now, triad_now, "now"), (baseline, host_base, triad_base, "base")):
+        for rows, host, triad, us, tag in ((current, host_now, triad_now, dispatch_now, "now"),
+                                           (baseline, host_base, triad_base, dispatch_base, "base")):
             p = os.path.join(d, tag + ".json")
+            context = {"host_cpu": host, "host_triad_GBps": str(triad)}
+            if us > 0:
+                context["host_dispatch_us"] = str(us)
             with open(p, "w") as f:
-                json.dump({"context": {"host_cpu": host, "host_triad_GBps": str(triad)}, "benchmarks": rows}, f)
+                json.dump({"context": context, "benchmarks": rows}, f)
             paths.append(p)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -215,6 +223,40 @@ def tells_hosts_of_one_cpu_model_apart_by_their_measured_triad():
     expect(*run(slower_host, base, triad_now=59.8, triad_base=88.8), 0, "fwd_bwd_ms")
     # Triads within 10%: the same class, the whole step is gated.
     expect(*run(slower_host, base, triad_now=85.0, triad_base=88.8), 1, "throughput 0.700")
+
+
+# A step of many small kernels, like gpt-medium's in bf16, that slowed by 74% when each operator
+# took one probe's time longer on the host.
+def launch_bound(ips, dispatch=0.74):
+    return reps("l/m", ips, 0.01, dispatch=dispatch)
+
+
+@case
+def lowers_the_bar_of_a_cell_bound_by_dispatching_on_a_host_that_dispatches_slower():
+    # 60% slower dispatching explains 1 / (1 + 0.74 x 0.6) = 0.69 x: a run at 0.72 x passes.
+    status, out = run(launch_bound(720), launch_bound(1000), dispatch_now=8.0, dispatch_base=5.0)
+    expect(status, out, 0, "host dispatches 60% slower")
+    # The same run on a host that dispatches as fast as the baseline's fails as before.
+    expect(*run(launch_bound(720), launch_bound(1000), dispatch_now=5.0, dispatch_base=5.0), 1, "throughput 0.720")
+    # A drop beyond what the dispatching explains still fails, with the reason.
+    expect(*run(launch_bound(600), launch_bound(1000), dispatch_now=8.0, dispatch_base=5.0), 1, "0.693 x is expected")
+    # So does one where either run did not measure the probe or the baseline did not measure the slowdown.
+    expect(*run(launch_bound(720), launch_bound(1000), dispatch_now=8.0), 1, "throughput 0.720")
+    expect(*run(launch_bound(720), reps("l/m", 1000, 0.01), dispatch_now=8.0, dispatch_base=5.0), 1,
+           "throughput 0.720")
+
+
+@case
+def gives_a_cell_bound_by_its_device_almost_nothing_for_a_slower_host():
+    # A step that slowed 2% under the delay: 60% slower dispatching explains 1%, so a 20% drop fails.
+    now, base = reps("c/m", 800, 0.01, dispatch=0.02), reps("c/m", 1000, 0.01, dispatch=0.02)
+    expect(*run(now, base, dispatch_now=8.0, dispatch_base=5.0), 1, "throughput 0.800")
+
+
+@case
+def never_raises_a_bar_on_a_host_that_dispatches_faster_and_says_so():
+    status, out = run(launch_bound(950), launch_bound(1000), dispatch_now=3.0, dispatch_base=5.0)
+    expect(status, out, 0, "dispatches operators 40% faster than the baseline's")
 
 
 @case

@@ -282,6 +282,9 @@ def main():
                    f"no datasheet matmul figure for this device (MFU not reported); matmul measured at "
                    f"{peak:.3g} TFLOP/s (the 'of measured matmul' column's)")
     link_text = f"; pinned host-to-device link {link:.1f} GB/s" if link else ""
+    dispatch = float(context.get("host_dispatch_us", 0) or 0)
+    if dispatch:
+        link_text += f"; the host dispatches an operator in {dispatch:.2f} us"
     out.append(f"Device {context.get('strata_device', '?')} ({context.get('device_name', '?')}), host CPU "
                f"{context.get('host_cpu', '?')}, LibTorch {context.get('torch_version', '?')}; "
                f"{matmul_text}{link_text}; "
