@@ -8,7 +8,8 @@ A cell fails when
   (max - min) / median over its repetitions)), so a noisy cell gets room that its recorded
   measurements justify and a steady one is held tightly; the run under test cannot widen its own
   threshold by being noisy, and no cell is let go by more than --max-drop (a baseline that noisy is
-  listed: record it with more repetitions). bench/METRICS.md says how the constants were set;
+  listed: record it with more repetitions) unless a slower-dispatching host lowers its bar (below,
+  at most --max-dispatch-drop). bench/METRICS.md says how the constants were set;
 - it keeps its optimizer on the host (counter optimizer_on_host = 1): its device-side time
   (fwd_bwd_ms) is gated by the rule above, and on hosts of the same class (CPU model and cores,
   and measured host triads within 10%) its whole step may drop at most --host-step-drop, since the
@@ -17,15 +18,18 @@ A cell fails when
   forward waits for host updates (counter fetches_behind_host_updates > 0: updates deferred into
   the next step) has no device-side time: on one host class only its step is gated, across host
   classes only its memory (listed);
-- (both rules above) where both runs measured the host's dispatch speed (context host_dispatch_us)
-  and the baseline measured how much the cell's span slows when every operator takes one probe's
-  time longer on the host (counters dispatch_slowdown, dispatch_slowdown_fwd_bwd: D), and this
-  run's host dispatches slower by s (dispatch now / dispatch then - 1): the bar is lowered by what
-  that explains, the expected ratio being 1 / (1 + D x s). A step of many small kernels
-  (gpt-medium in bf16) runs at the host's speed: unchanged code and PyTorch's own steps ran
-  0.61-0.87 x as fast on three later hosts as on the baseline's (bench/NOTES.md); a step bound by
-  its device has D near 0 and keeps its bar. A faster host never raises a bar; the run then notes
-  that the baseline's host was the slower;
+- (both rules above) where both runs measured the host's dispatch speed (counter host_dispatch_us,
+  the median over a run's cells; the context's where no cell has it) and how much the cell's span
+  slows when every operator takes one probe's time longer on the host (counters dispatch_slowdown,
+  dispatch_slowdown_fwd_bwd; D, the smaller of the two runs'), and this run's host dispatches
+  slower by more than DISPATCH_TOLERANCE: with s = dispatch now / dispatch then - 1 -
+  DISPATCH_TOLERANCE, the bar is lowered by what that explains, the expected ratio being
+  1 / (1 + D x s), and the allowed drop is at most --max-dispatch-drop. A step of many small
+  kernels (gpt-medium in bf16) runs at the host's speed: with unchanged code on their path such
+  cells ran 0.61-0.87 x as fast on two later hosts as on the baseline's, and PyTorch's own bf16
+  gpt-medium steps 0.58-0.81 x (bench/NOTES.md); a step bound by its device has D near 0 and keeps
+  its bar. A faster host never raises a bar; the run then notes that the baseline's host was the
+  slower;
 - the peak allocated memory of any of its devices rose more than --memory-rise; a pipeline cell
   in a low-precision policy whose ranks share a device, each on its own host thread (counter
   ranks_share_a_device = 1, cell named [precision=bf16] or fp16), is allowed
@@ -105,9 +109,9 @@ def low_precision(cell):
 HOST_TRIAD_TOLERANCE = 0.10
 
 
-def host_class(context):
+def host_class(context, cells):
     triad = float(context.get("host_triad_GBps", 0) or 0)
-    us = dispatch_us(context)
+    us = dispatch_us(cells, context)
     return (context.get("host_cpu", "unknown") + (f", triad {triad:.1f} GB/s" if triad > 0 else "")
             + (f", dispatch {us:.2f} us an operator" if us > 0 else ""))
 
@@ -122,31 +126,42 @@ def same_host_class(a, b):
     return not (ta > 0 and tb > 0 and abs(ta - tb) / max(ta, tb) > HOST_TRIAD_TOLERANCE)
 
 
-# A host whose dispatch probe reads more than this much faster than the baseline's is noted: the
-# bars of cells bound by dispatching were then set on a slower host than this one.
-DISPATCH_NOTE = 0.10
+# The probe read 6.27 and 8.37 us in two invocations minutes apart on one H200 host (bench/NOTES.md):
+# so much of a difference is the probe's own noise before it is the host's. A slower reading counts
+# only beyond this, and a faster one by more than this is noted (the bars of cells bound by
+# dispatching were then set on a slower host than this one).
+DISPATCH_TOLERANCE = 0.10
 
 
-def dispatch_us(context):
+def dispatch_us(cells, context):
+    """A run's dispatch time per operator: the median of its cells' probes (each measured as the
+    cell starts), else the one its context holds, else 0."""
+    per_cell = [c["reps"][0]["host_dispatch_us"] for c in cells.values()
+                if c["reps"] and c["reps"][0].get("host_dispatch_us", 0) > 0]
+    if per_cell:
+        return statistics.median(per_cell)
     return float(context.get("host_dispatch_us", 0) or 0)
 
 
-def dispatch_allowance(base_rows, key, now_ctx, base_ctx):
+def dispatch_allowance(base_rows, now_rows, key, now_us, base_us):
     """(expected ratio, D, s): the speed ratio the host's slower dispatching alone would give the
-    gated span (1.0 where it cannot tell or the host is not slower), the span's measured slowdown
-    under one probe's delay an operator, and how much slower this host dispatches."""
-    now_us, base_us = dispatch_us(now_ctx), dispatch_us(base_ctx)
+    gated span (1.0 where it cannot tell or the host is not slower beyond DISPATCH_TOLERANCE), the
+    span's measured slowdown under one probe's delay an operator (the smaller of the two runs'), and
+    how much slower this host dispatches beyond that tolerance."""
     counter = "dispatch_slowdown_fwd_bwd" if key == "fwd_bwd_ms" else "dispatch_slowdown"
     if now_us <= 0 or base_us <= 0 or not all(counter in r for r in base_rows):
         return 1.0, None, None
     sensitivity = max(0.0, median(base_rows, counter))
-    slowdown = now_us / base_us - 1.0
+    if now_rows and all(counter in r for r in now_rows):  # a run that sped up its dispatching says so too
+        sensitivity = min(sensitivity, max(0.0, median(now_rows, counter)))
+    slowdown = now_us / base_us - 1.0 - DISPATCH_TOLERANCE
     return (1.0 / (1.0 + sensitivity * slowdown) if slowdown > 0 else 1.0), sensitivity, slowdown
 
 
 def compare(now_cells, now_ctx, base_cells, base_ctx, args):
     failures, notes, table = [], [], []
     same_host = same_host_class(now_ctx, base_ctx)
+    now_us, base_us = dispatch_us(now_cells, now_ctx), dispatch_us(base_cells, base_ctx)
     for name, base in sorted(base_cells.items()):
         now = now_cells.get(name)
         if base["error"] is not None and not is_oom(base["error"]):
@@ -181,7 +196,7 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
             b, n = median(base["reps"], key), median(now["reps"], key)
             ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
             noise = spread(base["reps"], key)
-            expected, sensitivity, slowdown = dispatch_allowance(base["reps"], key, now_ctx, base_ctx)
+            expected, sensitivity, slowdown = dispatch_allowance(base["reps"], now["reps"], key, now_us, base_us)
             if fixed is not None:
                 threshold = fixed
                 why = "a host-bound step: its host pass moves with the host's memory bandwidth"
@@ -193,12 +208,13 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
                                  f"allow a {args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it "
                                  f"with more repetitions)")
             if expected < 1.0:
-                why += (f"; the host dispatches {slowdown:.0%} slower and the span slowed {sensitivity:.0%} under "
-                        f"one probe's delay an operator, so {expected:.3f} x is expected")
+                why += (f"; the host dispatches {slowdown:.0%} slower beyond the probe's tolerance and the span "
+                        f"slowed {sensitivity:.0%} under one probe's delay an operator, so {expected:.3f} x is "
+                        f"expected (at most {args.max_dispatch_drop:.0%} allowed)")
                 notes.append(f"{name}: {key} expected at {expected:.3f} x the baseline: this host dispatches "
-                             f"{slowdown:.0%} slower, and the baseline's span slowed {sensitivity:.0%} when each "
-                             f"operator took one probe's time longer")
-                threshold = 1.0 - expected * (1.0 - threshold)
+                             f"{slowdown:.0%} slower beyond the probe's tolerance, and the span slowed "
+                             f"{sensitivity:.0%} when each operator took one probe's time longer")
+                threshold = min(args.max_dispatch_drop, 1.0 - expected * (1.0 - threshold))
             table.append((name, key, ratio, threshold, len(now["reps"]), len(base["reps"])))
             if ratio < 1.0 - threshold:
                 what = "throughput" if key == "items_per_second" else "device time (fwd+bwd)"
@@ -222,8 +238,7 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
                                 f"{': ranks share a device' if allowed != args.memory_rise else ''})")
     for name in sorted(set(now_cells) - set(base_cells)):
         notes.append(f"{name}: new in this run, not gated")
-    now_us, base_us = dispatch_us(now_ctx), dispatch_us(base_ctx)
-    if now_us > 0 and base_us > 0 and now_us < (1.0 - DISPATCH_NOTE) * base_us:
+    if now_us > 0 and base_us > 0 and now_us < (1.0 - DISPATCH_TOLERANCE) * base_us:
         notes.append(f"this host dispatches operators {1.0 - now_us / base_us:.0%} faster than the baseline's "
                      f"({now_us:.2f} against {base_us:.2f} us): the bars of cells bound by dispatching were set on the "
                      f"slower host (re-record the baseline here to hold them tighter)")
@@ -243,6 +258,9 @@ def main(argv=None):
                     help="allowed throughput drop of a host-bound cell's whole step on the same host class (default "
                          "25%%: unchanged host code moved 16%% between two cells of one run, bench/NOTES.md); its "
                          "device time keeps the spread rule")
+    ap.add_argument("--max-dispatch-drop", type=float, default=0.50,
+                    help="largest allowed drop of a cell whose bar a slower-dispatching host lowered (default 50%%: "
+                         "PyTorch's own bf16 gpt-medium checkpointed step ran 0.58 x as fast on later hosts)")
     ap.add_argument("--memory-rise", type=float, default=0.03, help="allowed rise of any device's peak (default 3%%)")
     ap.add_argument("--shared-device-memory-rise", type=float, default=0.20,
                     help="allowed rise of the allocator's peak for bf16/fp16 pipeline cells whose ranks share a "
@@ -252,7 +270,7 @@ def main(argv=None):
     now_cells, now_ctx = load(args.current)
     base_cells, base_ctx = load(args.baseline)
     failures, notes, table, same_host = compare(now_cells, now_ctx, base_cells, base_ctx, args)
-    print(f"host CPU now: {host_class(now_ctx)}; baseline: {host_class(base_ctx)}"
+    print(f"host CPU now: {host_class(now_ctx, now_cells)}; baseline: {host_class(base_ctx, base_cells)}"
           f"{'' if same_host else ' (differ: host-bound cells gated on device time only)'}")
     print(f"{'cell':70s} {'gated on':>16s} {'ratio':>7s} {'allowed':>8s} {'reps':>9s}")
     for name, key, ratio, threshold, reps_now, reps_base in table:
@@ -270,7 +288,8 @@ def main(argv=None):
         return 1
     print(f"\ngate: PASS ({len({row[0] for row in table})} cells gated; throughput drop allowed min({args.max_drop:.0%}, "
           f"max({args.min_drop:.0%}, {args.spread_multiple:g} x the baseline's spread)), {args.host_step_drop:.0%} for a "
-          f"host-bound cell's whole step, any device's peak rise <= {args.memory_rise:.0%}, "
+          f"host-bound cell's whole step, at most {args.max_dispatch_drop:.0%} where a host that dispatches slower "
+          f"lowered a bar, any device's peak rise <= {args.memory_rise:.0%}, "
           f"{args.shared_device_memory_rise:.0%} for bf16/fp16 pipelines whose ranks share a device)")
     return 0
 
