@@ -1390,6 +1390,35 @@ TEST(HookOffload, a_rows_part_that_fails_before_its_gather_leaves_the_whole_matr
   EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
 }
 
+// tied_early: the early copy reads the buffer the tied matrix's first part writes, so it must wait
+// for that part. Here every first part sleeps 50 ms on the host before its step, long past the end
+// of backward on these small models: steps with tied_early must still compute what tied_early=0's
+// do, to the bit (loss and parameters after each of four steps).
+TEST(HookOffload, an_early_tied_copy_waits_for_a_slow_first_part) {
+  const auto config = gpt(2, 8, 64);
+  const auto base = adamw();
+  std::vector<double> losses[2];
+  std::vector<NamedTensors> params[2];
+  for (int early : {0, 1}) {
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}}, base);
+    s->attach(models::build_model(config, 0));
+    s->slow_first_parts(50ms);
+    for (int step = 0; step < 4; ++step) {
+      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
+      s->optimizer_step();
+      params[early].push_back(s->parameters());
+    }
+  }
+  for (size_t i = 0; i < losses[0].size(); ++i) {
+    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
+    ASSERT_EQ(params[0][i].size(), params[1][i].size());
+    for (size_t k = 0; k < params[0][i].size(); ++k)
+      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
+          << "step " << i << ": " << params[0][i][k].first;
+  }
+  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+}
+
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on
 // the host worker's thread, so their spans reach a trace only if the worker runs them in the
 // state of the thread that queued them (strata_compare --profile-steps relies on it). A callback

@@ -944,6 +944,8 @@ void HookOffload::run_next_update() {
       update_on_host(unit);
     } else {
       const bool first = next.part == Part::first;
+      if (first && first_part_delay_ms_ > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(first_part_delay_ms_.load()));
       if (!first) add_rows(unit.host_grad, next.values, next.touched);
       // The rows alone after a first part that ran; every row after one that failed.
       const bool rows = !first && unit.first_part_done;

@@ -188,6 +188,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_early: the next rows part throws once its step has run, before it gathers the rows for
   /// the next fetch (tests: a host update that fails there; the fetch must not send those rows).
   void fail_next_gather() { fail_next_gather_ = true; }
+  /// tied_rows with overlap_optimizer: every first part sleeps `delay` on the host before its step
+  /// (tests: a first part still running when backward ends; what copies its buffer must wait).
+  void slow_first_parts(std::chrono::milliseconds delay) { first_part_delay_ms_ = delay.count(); }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -326,6 +329,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::shared_ptr<const device::Gate> unit_hold_;   ///< hold_update_of (ready_mutex_)
   std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
   std::atomic<bool> fail_next_gather_{false};       ///< fail_next_gather
+  std::atomic<int64_t> first_part_delay_ms_{0};      ///< slow_first_parts
   std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   bool step_copies_held_ = false;  ///< this step's gradient copies wait for a test's gate (hold_gradient_copies)
