@@ -225,7 +225,7 @@ struct DispatchSensitivity {
   double step = 0, fwd_bwd = 0; ///< its relative slowdown, whole step and forward+backward
 };
 std::atomic<int64_t> g_ops{0};
-double g_delay_us = 0;
+std::atomic<double> g_delay_us{0};  // read by the callback on every thread
 // Operators open on this thread, counted from the innermost autograd node running on it: the
 // operators a backward node calls are top-level ones, also where the node runs inside the
 // caller's own backward operator (on the CPU, autograd runs on the calling thread). The engine's
@@ -244,7 +244,7 @@ std::unique_ptr<at::ObserverContext> delay_op(const at::RecordFunction& fn) {
     t_depth = 0;
   } else if (t_depth++ == 0) {
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(g_delay_us);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(g_delay_us.load());
     while (std::chrono::steady_clock::now() < until) {
     }
   }
