@@ -112,12 +112,6 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 /// A 95% interval for the median of `d` from its order statistics (the sign test's): the k-th
 /// smallest and k-th largest, k the largest with P(Binomial(n, 1/2) < k) <= 2.5%. None for n < 6.
 bool median_interval(std::vector<double> d, double& low, double& high) {
@@ -220,15 +214,15 @@ int run(int argc, char** argv) {
   std::printf("%-3s %-40s %12s %12s %12s %14s\n", "arm", "strategy", "fwd+bwd ms", "optim ms", "step ms", "host update ms");
   for (int i = 0; i < 2; ++i) {
     char host[32] = "-";
-    if (reports_host[i]) std::snprintf(host, sizeof host, "%.2f", median(times[i].host));
-    std::printf("%-3c %-40s %12.2f %12.2f %12.2f %14s\n", 'A' + i, arms[i]->label.c_str(), median(times[i].fwd_bwd),
-                median(times[i].optim), median(times[i].step), host);
+    if (reports_host[i]) std::snprintf(host, sizeof host, "%.2f", bench::median(times[i].host));
+    std::printf("%-3c %-40s %12.2f %12.2f %12.2f %14s\n", 'A' + i, arms[i]->label.c_str(), bench::median(times[i].fwd_bwd),
+                bench::median(times[i].optim), bench::median(times[i].step), host);
   }
   auto difference = [&](const char* what, const std::vector<double>& a, const std::vector<double>& b) {
     std::vector<double> d(a.size());
     for (size_t k = 0; k < a.size(); ++k) d[k] = b[k] - a[k];
     double low = 0, high = 0;
-    std::printf("B - A %-16s median %+9.2f ms", what, median(d));
+    std::printf("B - A %-16s median %+9.2f ms", what, bench::median(d));
     if (median_interval(d, low, high))
       std::printf(", 95%% interval [%+.2f, %+.2f]%s\n", low, high, low > 0 || high < 0 ? " (B differs)" : "");
     else

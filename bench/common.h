@@ -66,6 +66,13 @@ inline void warm_up(Strategy& strategy, const models::Batch& batch) {
   strategy.reset_stats();
 }
 
+/// The median of `v` (the mean of the middle two for an even count); `v` must not be empty.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 /// The largest peaks over a strategy's devices.
 struct Peaks {
   int64_t allocated = 0, reserved = 0, params = 0;

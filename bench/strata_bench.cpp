@@ -314,12 +314,8 @@ DispatchSensitivity dispatch_sensitivity(Strategy& strategy, const models::Batch
     }
   }
   strategy.reset_stats();  // as warm_up left them: these steps are no repetition's
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::sort(v.begin(), v.end());
-    return std::max(0.0, v[v.size() / 2]);
-  };
-  return {ops, median(step_ratios), median(fwd_bwd_ratios)};
+  auto slowdown = [](const std::vector<double>& ratios) { return ratios.empty() ? 0.0 : std::max(0.0, median(ratios)); };
+  return {ops, slowdown(step_ratios), slowdown(fwd_bwd_ratios)};
 }
 
 // One cell: a strategy under its options on one preset.

@@ -365,7 +365,7 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
   // (and with tied_early=1 sends it early, its rows at the next fetch); with tied_rows=0 the two
   // uses' gradients are summed on the device and go back once.
   for (const std::string mode : {"plain", "overlap", "overlap, tied_early=1", "tied_rows=0"}) {
-  const bool overlap = mode.rfind("overlap", 0) == 0;
+  const bool overlap = mode.rfind("overlap", 0) == 0, sent_early = mode == "overlap, tied_early=1";
   for (int64_t vocab : {64, 8}) {
     for (int prefetch : {0, 1}) {
      for (int carry : {0, 1}) {
@@ -401,7 +401,7 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       ASSERT_EQ(tied, 1) << "the GPT ties its embedding and head";
       std::map<std::string, std::string> options{{"prefetch", std::to_string(prefetch)}, {"carry_tied", std::to_string(carry)}};
       if (overlap) options["overlap_optimizer"] = "1";
-      if (mode == "overlap, tied_early=1") options["tied_early"] = "1";
+      if (sent_early) options["tied_early"] = "1";
       if (mode == "tied_rows=0") options["tied_rows"] = "0";
       auto s = make_offload(options);
       s->attach(std::move(model));
@@ -413,8 +413,8 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
           mode + " vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch) + " carry_tied=" + std::to_string(carry);
       // With tied_early the tied matrix also goes to the device at backward's end when its last use
       // is sparse, and the next forward's fetch of it then sends only the rows.
-      const auto early = mode == "overlap, tied_early=1" ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
-      if (mode == "overlap, tied_early=1" && vocab == 64) {
+      const auto early = sent_early ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
+      if (sent_early && vocab == 64) {
         EXPECT_GT(early.matrix, 0) << where;
       }
       EXPECT_EQ(stats.bytes_h2d, forward + backward + inputs + early.matrix) << where;
