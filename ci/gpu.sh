@@ -13,8 +13,9 @@
 # Environment: STRATA_GPU_PHASES (default suite,bench: the test suite, then benchmarks, peers, report
 # and gate; either alone for a run split over two sessions of one build; `matrix` alone runs only
 # the fp32 matrix and its peers into OUTDIR, and a later run of `bench` alone into the same OUTDIR
-# takes them from there once (same settings, no rebuild since) and runs the rest, so the
-# benchmarks too can be split over two sessions),
+# takes them from there once (same settings and code, no rebuild since; STRATA_REUSE_MATRIX=1: a
+# rebuild of the same code too, as on a fresh machine after the first was lost) and runs the
+# rest, so the benchmarks too can be split over two sessions),
 # STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
@@ -120,17 +121,29 @@ pp_peers="torchrun --nproc-per-node=1 bench/peers.py --model=${STRATA_PEERS_MODE
 more_peers+="; $pp_peers"
 more_peers_bf16+="; $pp_peers --precision=bf16"
 # fp32: the matrix (and the cells over two GPUs) and PyTorch's peers. A `matrix` phase that passed
-# leaves them in OUTDIR with matrix.done (the settings that shaped them, then the command); a later
-# run whose phases are `bench` alone takes them from there, once, if its settings are the same and
-# the benchmark binary is older than matrix.done (a rebuild measures again). Any other run
-# measures afresh.
-settings="reps=$reps args=${STRATA_BENCH_ARGS:-} peers=${STRATA_PEERS_MODEL:-gpt-871m} more=${STRATA_MORE_PEER_MODELS-gpt-medium} offload=$offload_py gpus=$gpu_count"
-reuse=0
+# leaves them in OUTDIR with matrix.done (the settings and a fingerprint of the code that shaped
+# them, then the command); a later run whose phases are `bench` alone takes them from there, once,
+# if its settings and code are the same and the benchmark binary is older than matrix.done (a
+# rebuild measures again). STRATA_REUSE_MATRIX=1 takes them after a rebuild too: the same code
+# built again, on a fresh machine after the first was taken back (OUTDIR carried over); the
+# reports then say that the two halves ran on two machines. Any other run measures afresh.
+code=$({ find CMakeLists.txt CMakePresets.json strategies models bench correctness -type f \
+           \( -name '*.cpp' -o -name '*.h' -o -name '*.py' -o -name '*.txt' -o -name '*.json' \) 2>/dev/null || true; } \
+       | LC_ALL=C sort | xargs -r cat | sha256sum | cut -c1-16)
+settings="reps=$reps args=${STRATA_BENCH_ARGS:-} peers=${STRATA_PEERS_MODEL:-gpt-871m} more=${STRATA_MORE_PEER_MODELS-gpt-medium} offload=$offload_py gpus=$gpu_count code=$code"
+reuse=0 matrix_note="" bf16_note=""
 if [ "$phases" = bench ] && [ -f "$outdir/matrix.done" ]; then
-  if [ "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ] && [ "$(head -n 1 "$outdir/matrix.done")" = "$settings" ]; then
+  if [ "$(head -n 1 "$outdir/matrix.done")" != "$settings" ]; then
+    echo "ci/gpu.sh: $outdir/matrix.done is from other settings or other code: measuring again"
+  elif [ "$outdir/matrix.done" -nt build/cuda/bench/strata_bench ]; then
     reuse=1
+  elif [ "${STRATA_REUSE_MATRIX:-0}" = 1 ]; then
+    reuse=1
+    matrix_note="The fp32 matrix and its peers ran in an earlier matrix phase, before this build (STRATA_REUSE_MATRIX=1: the same code on another machine, or rebuilt); the bf16 cells and their peers ran after it, on the machine of the bf16 report."
+    bf16_note="The bf16 cells and their peers ran after a rebuild, on another machine than the fp32 matrix's, or rebuilt since (STRATA_REUSE_MATRIX=1); the gate compares the two halves together."
+    echo "ci/gpu.sh: STRATA_REUSE_MATRIX=1: the fp32 matrix from before this build"
   else
-    echo "ci/gpu.sh: $outdir/matrix.done is older than the benchmarks or from other settings: measuring again"
+    echo "ci/gpu.sh: $outdir/matrix.done is older than the benchmarks: measuring again (STRATA_REUSE_MATRIX=1 takes it, for the same code built again)"
   fi
 fi
 if [ "$reuse" = 1 ]; then
@@ -235,7 +248,7 @@ PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEE
 more_peers_into "$outdir/peers-bf16.json" --precision=bf16
 pipeline_peers_into "$outdir/peers-bf16.json" --precision=bf16
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
-  --machine "$gpu_name" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
+  --machine "$gpu_name" --note "$bf16_note" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
 
 
 # The gate: against the committed baseline for this machine. A machine without one fails the job
@@ -252,7 +265,7 @@ else
   status=1
 fi
 python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
-  --machine "$gpu_name" --note "$note" \
+  --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
   --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 
 # The gate on this very run: it passes against itself and fails on each doctored copy — a

@@ -122,6 +122,23 @@ job matrix || fail "the matrix phase exited non-zero"
 touch "$work/repo/build/cuda/bench/strata_bench"
 job bench || fail "the bench phase after a rebuild exited non-zero"
 grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a matrix older than the binary"
+# The same code built again (a fresh machine after the first was taken back): taken on request,
+# and both reports say the halves ran apart.
+job matrix || fail "the matrix phase exited non-zero"
+touch "$work/repo/build/cuda/bench/strata_bench"
+STRATA_REUSE_MATRIX=1 job bench || { cat "$work/log"; fail "the bench phase with STRATA_REUSE_MATRIX=1 exited non-zero"; }
+[ "$(cat "$work/calls")" = "$(printf 'strata_bench bf16\npeers bf16 gpt-871m\npeers bf16 gpt-medium\npeers bf16 gpt-871m pp')" ] \
+  || fail "STRATA_REUSE_MATRIX=1 after a rebuild ran: $(tr '\n' ',' < "$work/calls")"
+grep -q "ran in an earlier matrix phase, before this build" "$out/report/report.md" \
+  || fail "the fp32 report does not say its matrix ran before this build"
+grep -q "ran after a rebuild" "$out/report-bf16/report.md" || fail "the bf16 report does not say it ran after a rebuild"
+grep -q "Not gated" "$out/report/report.md" || fail "the fp32 report lost the note that the run was not gated"
+# ... but not for other code.
+job matrix || fail "the matrix phase exited non-zero"
+echo "# changed" > "$work/repo/bench/changed.py"
+STRATA_REUSE_MATRIX=1 job bench || fail "the bench phase after a code change exited non-zero"
+grep -q "^strata_bench fp32$" "$work/calls" || fail "STRATA_REUSE_MATRIX=1 reused a matrix of other code"
+rm "$work/repo/bench/changed.py"
 # A matrix phase that failed leaves nothing to reuse, even where one that passed did before.
 job matrix || fail "the matrix phase exited non-zero"
 STUB_PEERS_FAIL=1 job matrix && fail "a matrix phase whose peers failed exited 0"
@@ -136,4 +153,4 @@ job matrix || fail "the matrix phase exited non-zero"
 job matrix,bench || fail "a matrix,bench run exited non-zero"
 grep -q "^strata_bench fp32$" "$work/calls" || fail "a matrix,bench run reused the matrix"
 [ ! -e "$out/matrix.done" ] || fail "a matrix,bench run left matrix.done"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds and other settings measuring again)"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request)"
