@@ -140,11 +140,9 @@ def dispatch_us(cells, context):
     it, so the fastest reading is the host's: on one H200 host the two halves of the matrix read
     5.67 and 5.88 us at their fastest where their medians read 6.37 and 8.21 (bench/NOTES.md, "The
     gate run of efd8bf5")."""
-    readings = [c["reps"][0]["host_dispatch_us"] for c in cells.values()
-                if c["reps"] and c["reps"][0].get("host_dispatch_us", 0) > 0]
-    readings.append(float(context.get("host_dispatch_us", 0) or 0))
-    readings = [us for us in readings if us > 0]
-    return min(readings) if readings else 0.0
+    readings = [float(context.get("host_dispatch_us", 0) or 0)]
+    readings += [c["reps"][0].get("host_dispatch_us", 0) for c in cells.values() if c["reps"]]
+    return min((us for us in readings if us > 0), default=0.0)
 
 
 def dispatch_allowance(base_rows, now_rows, key, now_us, base_us):

@@ -203,8 +203,8 @@ def fastest_host_pass_GBps(rows):
 
 
 def reference_speed(rs, peers, triad, fastest=0.0):
-    mine = {plain(r["strategy"]): r for r in rs if r["source"] == "strata" and not r["failed"]}
     by_name = {r["strategy"]: r for r in rs if r["source"] == "strata" and not r["failed"]}
+    mine = {plain(name): r for name, r in by_name.items()}
     out = []
     named = [(a, peer_named(b, peers), t) for a, b, t in REFERENCE_PAIRS if a in mine]
     pairs = [(a, b, t) for a, b, t in named if b]
