@@ -43,7 +43,17 @@ A cell fails when
   and must be re-recorded.
 A cell out of memory in both runs passes; a cell new in this run is listed and not gated.
 
+A cell that failed only on time (throughput or device time; not memory, errors or a missing cell)
+may be measured again, in a process of its own (ci/recheck.py; --recheck-list names such cells):
+with --recheck FILE, such a cell passes when its time checks pass on FILE's repetitions, and the
+gate prints both readings. Work beside a cell only slows it, and on unchanged code two cells of
+one gate run read 0.854 and 0.849 x their baseline while the same cells, run again on the same host
+minutes later in short invocations of their own, read 1.05 and 1.26 x (bench/NOTES.md, "The first gate run with the dispatch rule
+armed"). A regression in the code reads slow in both.
+
   python3 ci/gate.py CURRENT.json reports/baselines/nvidia-h200.json
+  python3 ci/gate.py CURRENT.json BASELINE --recheck-list CELLS.txt   # then ci/recheck.py, then:
+  python3 ci/gate.py CURRENT.json BASELINE --recheck RECHECK.json
 """
 import argparse
 import json
@@ -160,10 +170,45 @@ def dispatch_allowance(base_rows, now_rows, key, now_us, base_us):
     return (1.0 / (1.0 + sensitivity * slowdown) if slowdown > 0 else 1.0), sensitivity, slowdown
 
 
-def compare(now_cells, now_ctx, base_cells, base_ctx, args):
+def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes):
+    """One cell's time checks: [(counter, ratio, allowed drop, repetitions now, failure message, failed)]."""
+    out = []
+    for key, fixed in checks:
+        b, n = median(base_rows, key), median(now_rows, key)
+        ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
+        noise = spread(base_rows, key)
+        expected, sensitivity, slowdown = dispatch_allowance(base_rows, now_rows, key, now_us, base_us)
+        if fixed is not None:
+            threshold = fixed
+            why = "a host-bound step: its host pass moves with the host's memory bandwidth"
+        else:
+            threshold = min(args.max_drop, max(args.min_drop, args.spread_multiple * noise))
+            why = f"baseline spread {noise:.1%} over {len(base_rows)} repetitions"
+            if args.spread_multiple * noise > args.max_drop:
+                notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(base_rows)} repetitions) would "
+                             f"allow a {args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it "
+                             f"with more repetitions)")
+        if expected < 1.0:
+            why += (f"; the host dispatches {slowdown:.0%} slower beyond the probe's tolerance and the span "
+                    f"slowed {sensitivity:.0%} under one probe's delay an operator, so {expected:.3f} x is "
+                    f"expected (at most {args.max_dispatch_drop:.0%} allowed)")
+            notes.append(f"{name}: {key} expected at {expected:.3f} x the baseline: this host dispatches "
+                         f"{slowdown:.0%} slower beyond the probe's tolerance, and the span slowed "
+                         f"{sensitivity:.0%} when each operator took one probe's time longer")
+            threshold = min(args.max_dispatch_drop, 1.0 - expected * (1.0 - threshold))
+        what = "throughput" if key == "items_per_second" else "device time (fwd+bwd)"
+        message = f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: {why})"
+        out.append((key, ratio, threshold, len(now_rows), message, ratio < 1.0 - threshold))
+    return out
+
+
+def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None):
+    """(failures, notes, table, same host class, cells that failed on time and on nothing else)."""
     failures, notes, table = [], [], []
+    time_failed, other_failed = set(), set()
     same_host = same_host_class(now_ctx, base_ctx)
     now_us, base_us = dispatch_us(now_cells, now_ctx), dispatch_us(base_cells, base_ctx)
+    recheck_us = dispatch_us(recheck_cells, recheck_ctx or {}) if recheck_cells else 0.0
     for name, base in sorted(base_cells.items()):
         now = now_cells.get(name)
         if base["error"] is not None and not is_oom(base["error"]):
@@ -194,57 +239,55 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args):
             elif waits_for_host:
                 notes.append(f"{name}: its forward waits for host updates (fetches_behind_host_updates > 0) and the host "
                              f"classes differ: no time of it is comparable, only its memory is gated")
-        for key, fixed in checks:
-            b, n = median(base["reps"], key), median(now["reps"], key)
-            ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
-            noise = spread(base["reps"], key)
-            expected, sensitivity, slowdown = dispatch_allowance(base["reps"], now["reps"], key, now_us, base_us)
-            if fixed is not None:
-                threshold = fixed
-                why = "a host-bound step: its host pass moves with the host's memory bandwidth"
-            else:
-                threshold = min(args.max_drop, max(args.min_drop, args.spread_multiple * noise))
-                why = f"baseline spread {noise:.1%} over {len(base['reps'])} repetitions"
-                if args.spread_multiple * noise > args.max_drop:
-                    notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(base['reps'])} repetitions) would "
-                                 f"allow a {args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it "
-                                 f"with more repetitions)")
-            if expected < 1.0:
-                why += (f"; the host dispatches {slowdown:.0%} slower beyond the probe's tolerance and the span "
-                        f"slowed {sensitivity:.0%} under one probe's delay an operator, so {expected:.3f} x is "
-                        f"expected (at most {args.max_dispatch_drop:.0%} allowed)")
-                notes.append(f"{name}: {key} expected at {expected:.3f} x the baseline: this host dispatches "
-                             f"{slowdown:.0%} slower beyond the probe's tolerance, and the span slowed "
-                             f"{sensitivity:.0%} when each operator took one probe's time longer")
-                threshold = min(args.max_dispatch_drop, 1.0 - expected * (1.0 - threshold))
-            table.append((name, key, ratio, threshold, len(now["reps"]), len(base["reps"])))
-            if ratio < 1.0 - threshold:
-                what = "throughput" if key == "items_per_second" else "device time (fwd+bwd)"
-                failures.append(f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: {why})")
+        own = []  # failures of the cell's own making: memory, micro-batches in flight
         shared = any(r.get("ranks_share_a_device") for r in rows) and low_precision(name)
         allowed = args.shared_device_memory_rise if shared else args.memory_rise
         in_flight = [max((r["peak_in_flight"] for r in side if "peak_in_flight" in r), default=None)
                      for side in (base["reps"], now["reps"])]
         if shared and None not in in_flight and in_flight[1] > in_flight[0]:
-            failures.append(f"{name}: micro-batches in flight rose from {in_flight[0]:.0f} to {in_flight[1]:.0f} "
-                            f"(the schedule's; none allowed)")
+            own.append(f"{name}: micro-batches in flight rose from {in_flight[0]:.0f} to {in_flight[1]:.0f} "
+                       f"(the schedule's; none allowed)")
         pb, pn = peaks(base["reps"]), peaks(now["reps"])
         for dev, bytes_base in sorted(pb.items()):
             if dev not in pn:
-                failures.append(f"{name}: {dev} is missing in this run")
+                own.append(f"{name}: {dev} is missing in this run")
                 continue
             rise = pn[dev] / bytes_base if bytes_base else 1.0
             if rise > 1.0 + allowed:
-                failures.append(f"{name}: {dev} {rise:.3f} x the baseline "
-                                f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {allowed:.0%}"
-                                f"{': ranks share a device' if allowed != args.memory_rise else ''})")
+                own.append(f"{name}: {dev} {rise:.3f} x the baseline "
+                           f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {allowed:.0%}"
+                           f"{': ranks share a device' if allowed != args.memory_rise else ''})")
+        outcome = time_checks(name, base["reps"], now["reps"], checks, now_us, base_us, args, notes)
+        again = (recheck_cells or {}).get(name)
+        if any(r[5] for r in outcome) and again is not None and not own:
+            if again["error"] is None and again["reps"]:
+                second = time_checks(name, base["reps"], again["reps"], checks, recheck_us or now_us, base_us, args, [])
+                first = ", ".join(f"{r[0]} {r[1]:.3f} x" for r in outcome)
+                then = ", ".join(f"{r[0]} {r[1]:.3f} x" for r in second)
+                if not any(r[5] for r in second):
+                    notes.append(f"{name}: failed on time in the run ({first}), passed when measured again in a process "
+                                 f"of its own ({then}); the second reading is gated")
+                    outcome = [r[:3] + (f"{r[3]} again",) + r[4:] for r in second]
+                else:
+                    notes.append(f"{name}: measured again in a process of its own, it failed again ({then}; in the run "
+                                 f"{first})")
+            else:
+                notes.append(f"{name}: measured again, it did not run ({(again['error'] or 'no repetitions')[:120]})")
+        for key, ratio, threshold, reps_now, what, failed in outcome:
+            table.append((name, key, ratio, threshold, reps_now, len(base["reps"])))
+            if failed:
+                failures.append(what)
+                time_failed.add(name)
+        failures += own
+        if own:
+            other_failed.add(name)
     for name in sorted(set(now_cells) - set(base_cells)):
         notes.append(f"{name}: new in this run, not gated")
     if now_us > 0 and base_us > 0 and now_us < (1.0 - DISPATCH_TOLERANCE) * base_us:
         notes.append(f"this host dispatches operators {1.0 - now_us / base_us:.0%} faster than the baseline's "
                      f"({now_us:.2f} against {base_us:.2f} us): the bars of cells bound by dispatching were set on the "
                      f"slower host (re-record the baseline here to hold them tighter)")
-    return failures, notes, table, same_host
+    return failures, notes, table, same_host, sorted(time_failed - other_failed)
 
 
 def main(argv=None):
@@ -268,15 +311,25 @@ def main(argv=None):
                     help="allowed rise of the allocator's peak for bf16/fp16 pipeline cells whose ranks share a "
                          "device (default 20%%: unchanged code moved 10-11%% between two hosts, bench/NOTES.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip Google Benchmark's compare.py display")
+    ap.add_argument("--recheck", metavar="FILE",
+                    help="a strata_bench JSON of cells measured again (ci/recheck.py): a cell that failed on time alone "
+                         "passes if its time checks pass on this file's repetitions")
+    ap.add_argument("--recheck-list", metavar="PATH",
+                    help="write the cells that failed on time and on nothing else, one a line (empty if none)")
     args = ap.parse_args(argv)
     now_cells, now_ctx = load(args.current)
     base_cells, base_ctx = load(args.baseline)
-    failures, notes, table, same_host = compare(now_cells, now_ctx, base_cells, base_ctx, args)
+    recheck_cells, recheck_ctx = load(args.recheck) if args.recheck else (None, None)
+    failures, notes, table, same_host, time_only = compare(now_cells, now_ctx, base_cells, base_ctx, args,
+                                                           recheck_cells, recheck_ctx)
+    if args.recheck_list:
+        with open(args.recheck_list, "w") as f:
+            f.writelines(name + "\n" for name in time_only)
     print(f"host CPU now: {host_class(now_ctx, now_cells)}; baseline: {host_class(base_ctx, base_cells)}"
           f"{'' if same_host else ' (differ: host-bound cells gated on device time only)'}")
     print(f"{'cell':70s} {'gated on':>16s} {'ratio':>7s} {'allowed':>8s} {'reps':>9s}")
-    for name, key, ratio, threshold, reps_now, reps_base in table:
-        print(f"{name:70s} {key:>16s} {ratio:7.3f} {-threshold:8.1%} {reps_now:4d}/{reps_base:<4d}")
+    for name, key, ratio, threshold, reps_now, reps_base in table:  # "N again": the reading measured again
+        print(f"{name:70s} {key:>16s} {ratio:7.3f} {-threshold:8.1%} {reps_now:>4}/{reps_base:<4d}")
     for n in notes:
         print("note: " + n)
     tool = os.environ.get("BENCHMARK_COMPARE")

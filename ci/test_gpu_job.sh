@@ -17,7 +17,7 @@ fail() { echo "test_gpu_job: FAILED: $*"; exit 1; }
 
 # A copy of the scripts the job runs, with a stand-in build folder.
 mkdir -p "$work/repo/ci" "$work/repo/bench" "$work/repo/reports" "$work/repo/build/cuda/bench" "$work/bin"
-cp "$root/ci/gpu.sh" "$root/ci/gate.py" "$work/repo/ci/"
+cp "$root/ci/gpu.sh" "$root/ci/gate.py" "$root/ci/recheck.py" "$work/repo/ci/"
 cp "$root/reports/make_report.py" "$work/repo/reports/"
 cp -r "$root/reports/h200" "$root/reports/h200-bf16" "$work/"
 cat > "$work/bin/nvidia-smi" <<'EOF'
@@ -60,9 +60,26 @@ exec $python "\$@"
 EOF
 cat > "$work/repo/build/cuda/bench/strata_bench" <<EOF
 #!/bin/sh
-out=""; prec=fp32; opts=""
+out=""; prec=fp32; opts=""; models=""; strategies=""
 for a in "\$@"; do case \$a in --benchmark_out=*) out=\${a#--benchmark_out=};; --precision=*) prec=\${a#--precision=};;
-  --options=*) opts=\${a#--options=};; esac; done
+  --options=*) opts=\${a#--options=};; --models=*) models=\${a#--models=};; --strategies=*) strategies=\${a#--strategies=};; esac; done
+if [ -n "\$models" ] && [ -z "\$opts" ] && [ "\${strategies#*,}" = "\$strategies" ]; then
+  # One cell measured again (ci/recheck.py): the committed run's rows of it, 1.3 x as fast (as
+  # slow as before with STUB_SLOW_AGAIN).
+  echo "strata_bench \$prec recheck \$strategies/\$models" >> "$work/calls"
+  src=$work/h200/bench.json; [ \$prec = bf16 ] && src=$work/h200-bf16/bench.json
+  exec $python - "\$src" "\$out" "\$strategies" "\$models" "\$prec" <<'PY'
+import json, os, sys
+src, out, strategy, model, prec = sys.argv[1:]
+name = strategy + ("" if prec == "fp32" else f"[precision={prec}]") + "/" + model
+doc = json.load(open(src))
+doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"].split("/iterations")[0] == name]
+for b in doc["benchmarks"]:
+    if not os.environ.get("STUB_SLOW_AGAIN"):
+        b["items_per_second"] *= 1.3
+json.dump(doc, open(out, "w"))
+PY
+fi
 if [ -n "\$opts" ]; then  # a cell with options beyond the defaults: one made-up row
   echo "strata_bench \$prec options" >> "$work/calls"
   printf '{"context": {}, "benchmarks": [%s]}' \
@@ -153,4 +170,33 @@ job matrix || fail "the matrix phase exited non-zero"
 job matrix,bench || fail "a matrix,bench run exited non-zero"
 grep -q "^strata_bench fp32$" "$work/calls" || fail "a matrix,bench run reused the matrix"
 [ ! -e "$out/matrix.done" ] || fail "a matrix,bench run left matrix.done"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request)"
+# With a baseline for the machine: a cell that failed on time alone is measured again by itself,
+# and the gate takes that reading; one that is slow again, or a failure that is not on time, fails.
+mkdir -p "$work/repo/reports/baselines"
+doctor() {  # the last run's gated cells as the baseline, one cell's throughput (or memory) scaled
+  $python - "$out/bench-gated.json" "$work/repo/reports/baselines/stub-gpu.json" "$1" "$2" <<'PY'
+import json, sys
+src, dst, key, factor = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+doc = json.load(open(src))
+for b in doc["benchmarks"]:
+    if b["name"].split("/iterations")[0] == "baseline/gpt-medium" and b.get("run_type") == "iteration":
+        b[key] *= factor
+json.dump(doc, open(dst, "w"))
+PY
+}
+doctor items_per_second 1.3
+job bench || { cat "$work/log"; fail "a run whose slow cell was fast when measured again exited non-zero"; }
+grep -q "^strata_bench fp32 recheck baseline/gpt-medium$" "$work/calls" || fail "the slow cell was not measured again: $(tr '\n' ',' < "$work/calls")"
+[ "$(grep -c recheck "$work/calls")" = 1 ] || fail "cells other than the slow one were measured again"
+grep -q "gate: FAIL" "$out/gate-first.txt" || fail "the first gate's output was not kept"
+grep -q "baseline/gpt-medium: failed on time in the run" "$out/gate.txt" && grep -q "gate: PASS" "$out/gate.txt" \
+  || fail "the gate did not take the second reading"
+STUB_SLOW_AGAIN=1 job bench && fail "a run whose slow cell was slow again exited 0"
+grep -q "it failed again" "$out/gate.txt" || fail "the gate did not say the cell failed again"
+STRATA_RECHECK_CELLS=0 job bench && fail "a slow cell passed with nothing measured again"
+! grep -q recheck "$work/calls" || fail "STRATA_RECHECK_CELLS=0 measured a cell again"
+doctor peak_allocated_bytes 0.5
+job bench && fail "a run whose cell's memory rose exited 0"
+! grep -q recheck "$work/calls" || fail "a memory rise was measured again"
+rm "$work/repo/reports/baselines/stub-gpu.json"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again)"

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Self-test of ci/recheck.py: cell names back to strata_bench arguments (options, precision,
+preset overrides; cells over several ranks refused), the cap on how many cells are measured again,
+a cell the run does not name, and, given a strata_bench binary, the real thing: cells of a CPU run
+measured again, each alone, under the names the gate looks for, and the gate's --recheck clearing
+a doctored slow reading with them. Runs in CI (ctest: cpu.recheck_self_test).
+
+  python3 ci/test_recheck.py [STRATA_BENCH]
+"""
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gate  # noqa: E402
+import recheck  # noqa: E402
+from test_gate import run_cases  # noqa: E402
+
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+def quiet(fn, *args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = fn(*args)
+    return status, out.getvalue()
+
+
+@case
+def names_become_the_arguments_that_run_the_cell():
+    assert recheck.cell_arguments("baseline/gpt-medium") == ["--models=gpt-medium", "--strategies=baseline"]
+    assert recheck.cell_arguments("manual_split[precision=bf16]/gpt-medium") == [
+        "--models=gpt-medium", "--strategies=manual_split", "--precision=bf16"]
+    got = recheck.cell_arguments("hook_offload_overlap[resident=0,1,2,17;resident_updates=device]/gpt-871m")
+    assert got == ["--models=gpt-871m", "--strategies=hook_offload_overlap",
+                   "--options=resident=0,1,2,17;resident_updates=device"], got
+    got = recheck.cell_arguments("manual_split[classifier_shards=2;devices=cuda:0,cuda:1]/bert-base-6m[batch=8;classes=8250000]")
+    assert got == ["--models=bert-base-6m", "--strategies=manual_split",
+                   "--options=classifier_shards=2;devices=cuda:0,cuda:1", "--batch=8", "--classes=8250000"], got
+    assert recheck.cell_arguments("a[precision=bf16,transfer=fp32]/m")[2] == "--precision=bf16,transfer=fp32"
+
+
+@case
+def refuses_what_it_cannot_run_alone():
+    for name, why in (("sharded[ranks=2]/gpt-871m", "needs its launcher"), ("no-model", "not a strata_bench cell name"),
+                      ("a[oops]/m", "'oops' is not key=value"), ("a/m[depth=3]", "override 'depth'")):
+        try:
+            recheck.cell_arguments(name)
+        except ValueError as e:
+            assert why in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"{name} was accepted")
+
+
+STUB = r"""#!/usr/bin/env python3
+# A strata_bench stand-in: one iteration row per repetition for the cell its arguments name,
+# named as strata_bench names it (or STUB_NAME), and its arguments logged.
+import json, os, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+shown = []
+if "precision" in args: shown.append("precision=" + args["precision"])
+shown += args.get("options", "").split(";") if "options" in args else []
+name = args["strategies"] + ("[" + ";".join(sorted(shown)) + "]" if shown else "") + "/" + args["models"]
+name = os.environ.get("STUB_NAME", name)
+rows = [{"name": name + "/iterations:3/manual_time", "run_type": "iteration", "items_per_second": 1000.0,
+         "peak_allocated_bytes": 1.0} for _ in range(int(args.get("benchmark_repetitions", "1")))]
+json.dump({"context": {"host_cpu": "stub"}, "benchmarks": rows}, open(args["benchmark_out"], "w"))
+"""
+
+
+def with_stub(cells, extra_env=None, max_cells=None):
+    """recheck.main over `cells` with the stand-in: (status, output, JSON written, stand-in's calls)."""
+    with tempfile.TemporaryDirectory() as d:
+        stub, log, listed, out = (os.path.join(d, n) for n in ("strata_bench", "log", "cells.txt", "out/again.json"))
+        with open(stub, "w") as f:
+            f.write(STUB)
+        os.chmod(stub, 0o755)
+        with open(listed, "w") as f:
+            f.writelines(c + "\n" for c in cells)
+        os.environ["STUB_LOG"] = log
+        for k, v in (extra_env or {}).items():
+            os.environ[k] = v
+        try:
+            argv = ["--cells", listed, "--out", out] + (["--max-cells", str(max_cells)] if max_cells is not None else [])
+            status, text = quiet(recheck.main, argv + ["--", sys.executable, stub, "--benchmark_repetitions=2"])
+        finally:
+            for k in extra_env or {}:
+                del os.environ[k]
+        doc = json.load(open(out)) if os.path.exists(out) else None
+        calls = open(log).read().splitlines() if os.path.exists(log) else []
+        return status, text, doc, calls
+
+
+@case
+def runs_each_cell_in_a_process_of_its_own_and_merges_them():
+    cells = ["manual_split[precision=bf16]/gpt-medium", "hook_offload[prefetch=1]/gpt-871m"]
+    status, text, doc, calls = with_stub(cells + ["sharded[ranks=2]/gpt-871m"])
+    assert status == 1 and "needs its launcher" in text, text  # the launched cell keeps its failure
+    assert len(calls) == 2 and "--precision=bf16" in calls[0] and "--options=prefetch=1" in calls[1], calls
+    names = [b["name"].split("/iterations")[0] for b in doc["benchmarks"]]
+    assert names == [cells[0]] * 2 + [cells[1]] * 2, names
+    status, text, doc, calls = with_stub(cells)
+    assert status == 0, text
+
+
+@case
+def measures_none_beyond_the_cap_and_flags_a_cell_the_run_did_not_name():
+    status, text, doc, calls = with_stub([f"s{i}/m" for i in range(9)])
+    assert status == 1 and calls == [] and "more than --max-cells=8" in text, text
+    status, text, doc, calls = with_stub(["a/m"], max_cells=0)
+    assert status == 1 and calls == [], text
+    status, text, doc, calls = with_stub(["a/m"], {"STUB_NAME": "b/m"})
+    assert status == 1 and "the run named no such cell" in text and doc["benchmarks"] == [], text
+    status, text, doc, calls = with_stub([])
+    assert status == 0 and calls == [], text
+
+
+def real_binary(strata_bench):
+    """A CPU run of two cells; one doctored slow against a baseline that is the run itself; the
+    doctored cell measured again by the real binary clears the gate, the other stays as it was."""
+    with tempfile.TemporaryDirectory() as d:
+        run = os.path.join(d, "run.json")
+        common = ["--device=cpu", "--steps=2", "--benchmark_repetitions=3"]
+        cmd = [strata_bench] + common + ["--models=gpt-tiny", "--strategies=baseline,hook_offload",
+                                         "--options=hook_offload:prefetch=1", "--precision=bf16",
+                                         f"--benchmark_out={run}", "--benchmark_out_format=json"]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert done.returncode == 0, f"strata_bench failed:\n{done.stdout[-3000:]}"
+        doc = json.load(open(run))
+        slow = "hook_offload[precision=bf16;prefetch=1]/gpt-tiny"
+        assert any(b["name"].startswith(slow + "/") for b in doc["benchmarks"]), [b["name"] for b in doc["benchmarks"]]
+        for b in doc["benchmarks"]:  # 20 times slower than the baseline: no noise explains it
+            if b["name"].startswith(slow + "/") and b.get("run_type") == "iteration":
+                b["items_per_second"] /= 20
+        doctored = os.path.join(d, "doctored.json")
+        json.dump(doc, open(doctored, "w"))
+        listed, again = os.path.join(d, "cells.txt"), os.path.join(d, "again.json")
+        status, text = quiet(gate.main, [doctored, run, "--no-compare", "--recheck-list", listed])
+        assert status == 1 and open(listed).read() == slow + "\n", text
+        status, text = quiet(recheck.main, ["--cells", listed, "--out", again, "--", strata_bench] + common)
+        assert status == 0, text
+        status, text = quiet(gate.main, [doctored, run, "--no-compare", "--recheck", again])
+        # The second reading was found under the cell's name and gated: whether it clears a bar of
+        # the run's own spread (at least 6%) depends on the CPU's noise between two processes, so
+        # either note will do; a name that did not match would leave neither.
+        assert (f"{slow}: failed on time in the run" in text
+                or f"{slow}: measured again in a process of its own, it failed again" in text), text
+
+
+def main():
+    cases = list(CASES)
+    if len(sys.argv) > 1:
+        def real_binary_measures_the_cells_again_under_their_names():
+            real_binary(sys.argv[1])
+        cases.append(real_binary_measures_the_cells_again_under_their_names)
+    return run_cases(cases, "recheck")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
