@@ -11,7 +11,8 @@ options include precision=P), so the same cell can be run by itself. A cell run 
 Everything after -- is the strata_bench command, to which each cell's own arguments and its
 --benchmark_out are added. Exit 0 when every listed cell ran (whether it is now fast enough is the
 gate's to say), 1 when a cell could not be run or more cells are listed than --max-cells (a
-slowdown that broad is not re-measured: the first reading stands), 2 on bad arguments.
+slowdown that broad is not re-measured: the first reading stands), 2 on bad arguments. The
+JSON is written whatever the exit status (with no cells where none ran).
 """
 import argparse
 import json
@@ -77,17 +78,21 @@ def main(argv=None):
     if not command:
         print("recheck.py: no strata_bench command after --", file=sys.stderr)
         return 2
-    with open(args.cells) as f:
-        cells = [line.strip() for line in f if line.strip()]
-    if not cells:
-        print("recheck.py: no cells listed; nothing to measure again")
-        return 0
-    if len(cells) > args.max_cells:
-        print(f"recheck.py: {len(cells)} cells failed on time, more than --max-cells={args.max_cells}: not measured "
-              f"again (a slowdown that broad is not one cell's noise); the run's reading stands")
-        return 1
+    try:
+        with open(args.cells) as f:
+            cells = [line.strip() for line in f if line.strip()]
+    except OSError as e:
+        print(f"recheck.py: --cells={args.cells}: {e.strerror}", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     merged, status = None, 0
+    if not cells:
+        print("recheck.py: no cells listed; nothing to measure again")
+        cells = []
+    elif len(cells) > args.max_cells:
+        print(f"recheck.py: {len(cells)} cells failed on time, more than --max-cells={args.max_cells}: not measured "
+              f"again (a slowdown that broad is not one cell's noise); the run's reading stands")
+        cells, status = [], 1
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(cells, 1):
             try:
@@ -110,8 +115,13 @@ def main(argv=None):
                 status = 1
             if not ran:
                 continue
-            with open(out) as f:
-                doc = json.load(f)
+            try:
+                with open(out) as f:
+                    doc = json.load(f)
+            except ValueError as e:  # a process that died while writing it
+                print(f"recheck.py: [{i}/{len(cells)}] {name}: its JSON is unreadable ({e}); it keeps its failure")
+                status = 1
+                continue
             found = [b for b in doc.get("benchmarks", []) if b["name"].split("/iterations")[0] == name]
             if not found:
                 print(f"recheck.py: [{i}/{len(cells)}] {name}: the run named no such cell "

@@ -75,7 +75,10 @@ name = args["strategies"] + ("[" + ";".join(sorted(shown)) + "]" if shown else "
 name = os.environ.get("STUB_NAME", name)
 rows = [{"name": name + "/iterations:3/manual_time", "run_type": "iteration", "items_per_second": 1000.0,
          "peak_allocated_bytes": 1.0} for _ in range(int(args.get("benchmark_repetitions", "1")))]
-json.dump({"context": {"host_cpu": "stub"}, "benchmarks": rows}, open(args["benchmark_out"], "w"))
+text = json.dumps({"context": {"host_cpu": "stub"}, "benchmarks": rows})
+if os.environ.get("STUB_TRUNCATE") == name:
+    text = text[: len(text) // 2]
+open(args["benchmark_out"], "w").write(text)
 """
 
 
@@ -118,12 +121,18 @@ def runs_each_cell_in_a_process_of_its_own_and_merges_them():
 def measures_none_beyond_the_cap_and_flags_a_cell_the_run_did_not_name():
     status, text, doc, calls = with_stub([f"s{i}/m" for i in range(9)])
     assert status == 1 and calls == [] and "more than --max-cells=8" in text, text
+    assert doc == {"context": {}, "benchmarks": []}, doc  # written all the same: the gate reads it
     status, text, doc, calls = with_stub(["a/m"], max_cells=0)
     assert status == 1 and calls == [], text
     status, text, doc, calls = with_stub(["a/m"], {"STUB_NAME": "b/m"})
     assert status == 1 and "the run named no such cell" in text and doc["benchmarks"] == [], text
     status, text, doc, calls = with_stub([])
     assert status == 0 and calls == [], text
+    # A process that died while writing its JSON: that cell keeps its failure, the next one runs.
+    status, text, doc, calls = with_stub(["a/m", "b/m"], {"STUB_TRUNCATE": "a/m"})
+    assert status == 1 and "its JSON is unreadable" in text and len(calls) == 2, text
+    assert [b["name"].split("/iterations")[0] for b in doc["benchmarks"]] == ["b/m"] * 2, doc
+    assert quiet(recheck.main, ["--cells", "/nonexistent", "--out", "/tmp/x.json", "--", "true"])[0] == 2
 
 
 def real_binary(strata_bench):
