@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks a strata_bench JSON file: a cell (its repetitions) per strategy x model asked for, each of which
-passed its parity check (counter parity_ok = 1), ran without error and measured a throughput.
+passed its parity check (counter parity_ok = 1), ran without error, measured a throughput and, in
+every repetition, the host's dispatch probe after its steps.
 Exit 1, naming every cell that does not, otherwise 0.
 
   python3 bench/check_bench_json.py bench.json --strategies=a,b,c --models=gpt-tiny
@@ -38,6 +39,8 @@ def main():
             problems.append(f"{cell}: parity_ok is {r.get('parity_ok')}, expected 1")
         elif not r.get("items_per_second", 0) > 0:
             problems.append(f"{cell}: no throughput measured")
+        elif not all(x.get("host_dispatch_us_after", 0) > 0 for x in found):
+            problems.append(f"{cell}: a repetition without its dispatch probe (host_dispatch_us_after)")
     for cell in sorted(set(by_cell) - expected):
         problems.append(f"{cell}: not asked for")
     for p in problems:

@@ -457,6 +457,11 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     }
     const auto stats = strategy->stats();
     auto peaks = peaks_of(stats);
+    // The probe once more, after this repetition's steps: a reading per repetition, taken while the
+    // host was in the state those steps saw. The cell's one reading at its start has misled in
+    // both directions (bench/NOTES.md, "The first gate run with the dispatch rule armed"); these
+    // are recorded for choosing the gate's estimator, which does not read them yet.
+    const double dispatch_after_us = measure_host_dispatch_us(dev);
     if (settings.ranks) {  // every rank's peak, named after its device
       const auto w = settings.ranks->size(), r = settings.ranks->rank();
       auto all = torch::zeros({2, w}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
@@ -486,6 +491,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     state.counters["allocated_at_start_bytes"] = static_cast<double>(live.allocated_at_start);
     state.counters["host_ops_per_step"] = static_cast<double>(live.dispatch.ops);
     state.counters["host_dispatch_us"] = live.dispatch_us;
+    state.counters["host_dispatch_us_after"] = dispatch_after_us;
     state.counters["dispatch_slowdown"] = live.dispatch.step;
     state.counters["dispatch_slowdown_fwd_bwd"] = live.dispatch.fwd_bwd;
     // A pipeline timing its actions: its schedule simulated under the last step's measured action
