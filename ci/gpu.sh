@@ -23,6 +23,8 @@
 # gpt-871m; also the model of torch.distributed.pipelining's interleaved and ZBV peers, which run
 # on one rank in both precisions), STRATA_MORE_PEER_MODELS (presets whose plain and checkpointed PyTorch peers also run,
 # default gpt-medium; empty for none), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
+# STRATA_RECHECK_CELLS (cells that failed the gate on time alone measured again, each by itself, and
+# gated on that reading, at most this many; default 8, 0 for none),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
