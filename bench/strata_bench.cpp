@@ -395,8 +395,8 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
         log("warm-up");
         warm_up(*live.strategy, live.batch);
         live.dispatch = dispatch_sensitivity(*live.strategy, live.batch, settings.dispatch_us, dev, settings.ranks);
-        // The probe again, once per cell: the gate takes the fastest of a run's readings, since work
-        // beside a probe only slows it (one invocation's cells read 5.67-25.8 us on one host).
+        // The probe again, once per cell: the gate takes the median of the readings of a run's cells
+        // of one precision (one invocation's cells read 5.67-25.8 us on one host).
         live.dispatch_us = measure_host_dispatch_us(dev);
       } catch (const std::exception& e) {
         live.strategy.reset();

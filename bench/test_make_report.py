@@ -108,7 +108,8 @@ def main():
          "| hook_offload_overlap[precision=bf16] | 1,000,000,000 (model's) | 300.0 | 300.0 | 100.0 | 150.0 | 300.0 "
          "| 330.0 | 1.10 |" in mixed and "| hook_offload | 1,000,000,000 (model's) |" in mixed),
         ("the host's dispatch readings, before the first cell and as the cells start",
-         "dispatches an operator in 6.00 us before the first cell and 5.50-7.00 us as the cells start" in gpu),
+         "dispatches an operator in 6.00 us before the first cell and 5.50-7.00 us as the cells start "
+         "(median 6.25)" in gpu),
         ("a triad above it: the floor is the triad's",
          "| hook_offload | 1,000,000,000 (model's) | 280.0 | 350.0 | 80.0 | 300.0 | 300.0 | 650.0 | 2.17 |" in high_triad
          and "triad 100.0 GB/s" in high_triad),
