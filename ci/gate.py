@@ -150,7 +150,7 @@ DISPATCH_TOLERANCE = 0.10
 
 def precision_of(name):
     """The precision policy a cell ran under, as its name says (fp32 where it says none)."""
-    m = re.search(r"precision=([^;\]]+)", name)
+    m = re.search(r"[\[;]precision=([^;\]]+)", name)
     return m.group(1) if m else "fp32"
 
 
@@ -159,9 +159,10 @@ def dispatch_us(cells, context, precision="fp32"):
     probes (each measured as its cell starts), else the context's probe (measured before the first
     cell), else 0. By policy, since the halves of a gate run are two invocations that may run apart
     (the baseline's ran on two hosts). The median, since it predicted the ratios of launch-bound
-    cells to their baseline best on three H200 hosts (median error 6%, against 16% for the fastest
-    reading, which a slow host's two fast readings made predict 0.82-0.87 x where its cells ran at
-    0.63-0.72 x; bench/NOTES.md, "The gate's dispatch reading, chosen by what it predicts")."""
+    cells to their baseline better than the fastest reading over the runs kept with probes (three
+    H200 hosts; median error 7.5% against 14.9%), mostly through one slow host, whose two fast
+    readings made the fastest predict 0.82-0.87 x where its cells ran at 0.63-0.72 x (bench/NOTES.md,
+    "The gate's dispatch reading, chosen by what it predicts", with its caveats)."""
     readings = [c["reps"][0].get("host_dispatch_us", 0) for n, c in cells.items()
                 if c["reps"] and precision_of(n) == precision]
     readings = [us for us in readings if us > 0]
@@ -225,7 +226,9 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
     precisions = sorted({precision_of(n) for n in base_cells} & {precision_of(n) for n in now_cells})
     now_dispatch = {p: dispatch_us(now_cells, now_ctx, p) for p in precisions}
     base_dispatch = {p: dispatch_us(base_cells, base_ctx, p) for p in precisions}
-    again_same_host = same_host_class(recheck_ctx or {}, base_ctx) if recheck_cells else same_host
+    # A second reading is taken on the run's host (ci/gpu.sh measures it in the same job); one from
+    # a host of another class than the run's is not used.
+    again_same_host = same_host_class(recheck_ctx or {}, now_ctx) if recheck_cells else True
     for name, base in sorted(base_cells.items()):
         now = now_cells.get(name)
         if base["error"] is not None and not is_oom(base["error"]):
@@ -285,9 +288,8 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
         again = (recheck_cells or {}).get(name)
         if any(r[5] for r in outcome) and again is not None and own:
             notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
-        elif any(r[5] for r in outcome) and again is not None and again_same_host != same_host:
-            notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's "
-                         f"against the baseline's, so other checks would apply")
+        elif any(r[5] for r in outcome) and again is not None and not again_same_host:
+            notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's")
         elif any(r[5] for r in outcome) and again is not None:
             if again["error"] is None and again["reps"]:
                 again_notes = []

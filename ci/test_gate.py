@@ -288,6 +288,8 @@ def takes_the_probe_as_the_median_of_its_precisions_cells():
     status, out = run(now, base)
     expect(status, out, 1, "l/m: throughput 0.720")
     assert "l[precision=bf16]/m: throughput" not in out and "dispatch 8.00 us (bf16), 5.00 us (fp32)" in out, out
+    # The cells' readings come first: a context that read fast does not take the room they give.
+    expect(*run(launch_bound(720, probe=8.0), launch_bound(1000, probe=5.0), dispatch_now=5.0, dispatch_base=5.0), 0)
     # A run whose cells have no probes takes the context's reading.
     expect(*run(launch_bound(720), launch_bound(1000), dispatch_now=8.0, dispatch_base=5.0), 0)
     # 8% slower is within the probe's tolerance: no room is given.
@@ -401,12 +403,17 @@ def a_second_reading_must_pass_every_time_check_of_the_cell():
     args = dict(triad_now=80.0, triad_base=80.0, triad_again=50.0)
     status, out = run(now, base, recheck=reps("h/m", 1000, fwd_bwd_ms=100.0, host_bound=1), **args)
     expect(status, out, 1, "h/m: its second reading is not used: it ran on a host of another class")
+    # The run's own host, whose triad read 87.7 GB/s in the run and 96.2 when the cells ran again
+    # (within 10% of each other, not of the baseline's 82.0): the second reading is used.
+    args = dict(triad_now=87.7, triad_base=82.0, triad_again=96.2)
+    expect(*run(reps("a/m", 850, 0.02), reps("a/m", 1000, 0.02), recheck=reps("a/m", 1050, 0.02), **args), 0,
+           "a/m: failed on time in the run")
 
 
 @case
 def a_second_readings_slower_probe_does_not_lower_the_bar():
     # The run's probe read 5.0 us, as the baseline's; the process that measured the cell again read
-    # 8.0 (a process of one cell has few readings). The host's reading is the fastest of all: no room.
+    # 8.0 (a process of one cell has few readings). The second reading is allowed the run's: no room.
     status, out = run(launch_bound(800), launch_bound(1000), dispatch_now=5.0, dispatch_base=5.0,
                       recheck=launch_bound(800), dispatch_again=8.0)
     expect(status, out, 1, "it failed again (items_per_second 0.800 x")
