@@ -59,6 +59,7 @@ armed"). A regression in the code reads slow in both.
   python3 ci/gate.py CURRENT.json BASELINE --recheck RECHECK.json
 """
 import argparse
+import collections
 import json
 import os
 import re
@@ -186,8 +187,13 @@ def dispatch_allowance(base_rows, now_rows, key, now_us, base_us):
     return (1.0 / (1.0 + sensitivity * slowdown) if slowdown > 0 else 1.0), sensitivity, slowdown
 
 
+# One time check of a cell: the counter, this run's ratio to the baseline (> 1 is faster), the
+# allowed drop, this run's repetitions (as shown), the failure's message, and whether it failed.
+Check = collections.namedtuple("Check", "key ratio threshold reps message failed")
+
+
 def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes):
-    """One cell's time checks: [(counter, ratio, allowed drop, repetitions now, failure message, failed)]."""
+    """One cell's time checks, as a list of Check."""
     out = []
     for key, fixed in checks:
         b, n = median(base_rows, key), median(now_rows, key)
@@ -214,8 +220,29 @@ def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes)
             threshold = min(args.max_dispatch_drop, 1.0 - expected * (1.0 - threshold))
         what = "throughput" if key == "items_per_second" else "device time (fwd+bwd)"
         message = f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: {why})"
-        out.append((key, ratio, threshold, len(now_rows), message, ratio < 1.0 - threshold))
+        out.append(Check(key, ratio, threshold, len(now_rows), message, ratio < 1.0 - threshold))
     return out
+
+
+def second_reading(name, outcome, again, base_rows, checks, now_us, base_us, args, notes):
+    """The time checks of a cell measured again (`again`: its cell in the --recheck file) in place of
+    `outcome`, the run's, where the second reading passes them all; `outcome` otherwise. A second
+    reading is allowed the run's dispatch reading, no more: its process's own few probes would read
+    a host whose state the second reading is there to get away from."""
+    if again["error"] is not None or not again["reps"]:
+        notes.append(f"{name}: measured again, it did not run ({(again['error'] or 'no repetitions')[:120]})")
+        return outcome
+    again_notes = []
+    second = time_checks(name, base_rows, again["reps"], checks, now_us, base_us, args, again_notes)
+    notes += [f"(measured again) {n}" for n in again_notes if "expected at" in n]
+    first = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in outcome)
+    then = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in second)
+    if any(c.failed for c in second):
+        notes.append(f"{name}: measured again in a process of its own, it failed again ({then}; in the run {first})")
+        return outcome
+    notes.append(f"{name}: failed on time in the run ({first}), passed when measured again in a process of its own "
+                 f"({then}); the second reading is gated")
+    return [c._replace(reps=f"{c.reps} again") for c in second]
 
 
 def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None):
@@ -281,35 +308,20 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
                 own.append(f"{name}: {dev} {rise:.3f} x the baseline "
                            f"({pn[dev] / 2**30:.2f} GiB vs {bytes_base / 2**30:.2f}; allowed rise {allowed:.0%}"
                            f"{': ranks share a device' if allowed != args.memory_rise else ''})")
-        # A second reading is allowed what the run was, no more: its process's own few probes would
-        # read a host whose state the second reading is there to get away from.
         now_us, base_us = now_dispatch.get(precision_of(name), 0.0), base_dispatch.get(precision_of(name), 0.0)
         outcome = time_checks(name, base["reps"], now["reps"], checks, now_us, base_us, args, notes)
         again = (recheck_cells or {}).get(name)
-        if any(r[5] for r in outcome) and again is not None and own:
-            notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
-        elif any(r[5] for r in outcome) and again is not None and not again_same_host:
-            notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's")
-        elif any(r[5] for r in outcome) and again is not None:
-            if again["error"] is None and again["reps"]:
-                again_notes = []
-                second = time_checks(name, base["reps"], again["reps"], checks, now_us, base_us, args, again_notes)
-                notes += [f"(measured again) {n}" for n in again_notes if "expected at" in n]
-                first = ", ".join(f"{r[0]} {r[1]:.3f} x" for r in outcome)
-                then = ", ".join(f"{r[0]} {r[1]:.3f} x" for r in second)
-                if not any(r[5] for r in second):
-                    notes.append(f"{name}: failed on time in the run ({first}), passed when measured again in a process "
-                                 f"of its own ({then}); the second reading is gated")
-                    outcome = [r[:3] + (f"{r[3]} again",) + r[4:] for r in second]
-                else:
-                    notes.append(f"{name}: measured again in a process of its own, it failed again ({then}; in the run "
-                                 f"{first})")
+        if again is not None and any(c.failed for c in outcome):
+            if own:
+                notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
+            elif not again_same_host:
+                notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's")
             else:
-                notes.append(f"{name}: measured again, it did not run ({(again['error'] or 'no repetitions')[:120]})")
-        for key, ratio, threshold, reps_now, what, failed in outcome:
-            table.append((name, key, ratio, threshold, reps_now, len(base["reps"])))
-            if failed:
-                failures.append(what)
+                outcome = second_reading(name, outcome, again, base["reps"], checks, now_us, base_us, args, notes)
+        for c in outcome:
+            table.append((name, c.key, c.ratio, c.threshold, c.reps, len(base["reps"])))
+            if c.failed:
+                failures.append(c.message)
                 time_failed.add(name)
         failures += own
         if own:

@@ -88,7 +88,6 @@ def main(argv=None):
     merged, status = None, 0
     if not cells:
         print("recheck.py: no cells listed; nothing to measure again")
-        cells = []
     elif len(cells) > args.max_cells:
         print(f"recheck.py: {len(cells)} cells failed on time, more than --max-cells={args.max_cells}: not measured "
               f"again (a slowdown that broad is not one cell's noise); the run's reading stands")
