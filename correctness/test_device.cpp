@@ -75,6 +75,16 @@ TEST(Device, copied_parts_land_in_consecutive_slices_as_one_transfer) {
   EXPECT_THROW(side.copy_parts(small, parts), strata::Error) << "parts that do not fit";
   EXPECT_THROW(side.copy_parts(large, parts), strata::Error) << "parts that leave the destination's end unwritten";
   EXPECT_THROW(side.copy_parts(dst, {torch::zeros({2, 4}, on_dev)}), strata::Error) << "a part that is not 1-D";
+
+  // At offsets: each part in its own slice, in any order, the rest of dst as it was.
+  auto spread = device::host_buffer({12}, torch::kFloat, dev).fill_(-1.0f);
+  side.copy_parts(spread, parts, {9, 0, 4});
+  side.synchronize();
+  const std::vector<float> spread_expected{10, -1, -1, -1, 20, 21, 22, 23, -1, 0, 1, 2};
+  EXPECT_TRUE(torch::equal(spread, torch::tensor(spread_expected))) << spread;
+  EXPECT_THROW(side.copy_parts(spread, parts, {0, 3}), strata::Error) << "two offsets for three parts";
+  EXPECT_THROW(side.copy_parts(spread, parts, {10, 0, 4}), strata::Error) << "a part past the destination's end";
+  EXPECT_THROW(side.copy_parts(spread, parts, {-1, 0, 4}), strata::Error) << "a negative offset";
 }
 
 TEST(Device, a_held_side_stream_runs_nothing_until_its_gate_opens) {

@@ -206,9 +206,10 @@ class CpuComputeStream : public StreamImpl {
     delay(injected_delays().copy);
     copy_now(dst, src);
   }
-  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                  const std::vector<int64_t>& offsets) override {
     delay(injected_delays().copy);
-    detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
+    detail::copy_parts_into(dst, parts, offsets, /*non_blocking=*/false);
   }
   void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
     delay(injected_delays().copy);
@@ -244,11 +245,12 @@ class CpuSideStream : public StreamImpl {
       copy_now(dst, src);
     });
   }
-  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                  const std::vector<int64_t>& offsets) override {
     const auto d = injected_delays().copy;
-    queue_.submit([dst, parts, d] {
+    queue_.submit([dst, parts, offsets, d] {
       if (d.count() > 0) std::this_thread::sleep_for(d);
-      detail::copy_parts_into(dst, parts, /*non_blocking=*/false);
+      detail::copy_parts_into(dst, parts, offsets, /*non_blocking=*/false);
     });
   }
   void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
@@ -305,12 +307,14 @@ Stream Stream::side(const torch::Device& device) {
 
 const torch::Device& Stream::device() const { return impl_->device(); }
 void Stream::copy(const torch::Tensor& dst, const torch::Tensor& src) { impl_->copy(dst, src); }
-void detail::copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts, bool non_blocking) {
+void detail::copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                             const std::vector<int64_t>& offsets, bool non_blocking) {
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
-  for (const auto& part : parts) {
-    dst.narrow(0, offset, part.numel()).copy_(part, non_blocking);
-    offset += part.numel();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!offsets.empty()) offset = offsets[i];
+    dst.narrow(0, offset, parts[i].numel()).copy_(parts[i], non_blocking);
+    offset += parts[i].numel();
   }
 }
 
@@ -331,16 +335,24 @@ void Stream::copy_rows(const torch::Tensor& dst, const torch::Tensor& index, con
   impl_->copy_rows(dst, index, src);
 }
 
-void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) {
+void Stream::copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                        const std::vector<int64_t>& offsets) {
   STRATA_CHECK(dst.dim() == 1, "Stream::copy_parts: the destination has " << dst.dim() << " dimensions, not 1");
+  STRATA_CHECK(offsets.empty() || offsets.size() == parts.size(),
+               "Stream::copy_parts: " << offsets.size() << " offsets for " << parts.size() << " parts");
   int64_t total = 0;
-  for (const auto& part : parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& part = parts[i];
     STRATA_CHECK(part.dim() == 1, "Stream::copy_parts: a part has " << part.dim() << " dimensions, not 1");
+    if (!offsets.empty())
+      STRATA_CHECK(offsets[i] >= 0 && offsets[i] + part.numel() <= dst.numel(),
+                   "Stream::copy_parts: a part of " << part.numel() << " elements at offset " << offsets[i]
+                                                    << " does not fit a destination of " << dst.numel());
     total += part.numel();
   }
-  STRATA_CHECK(total == dst.numel(),
+  STRATA_CHECK(!offsets.empty() || total == dst.numel(),
                "Stream::copy_parts: the parts hold " << total << " elements, the destination " << dst.numel());
-  impl_->copy_parts(dst, parts);
+  impl_->copy_parts(dst, parts, offsets);
 }
 Event Stream::record() { return Event(impl_->record()); }
 void Stream::wait(const Event& event) { impl_->wait(event.impl()); }

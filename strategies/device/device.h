@@ -151,8 +151,10 @@ class Stream {
   void copy(const torch::Tensor& dst, const torch::Tensor& src);
   /// Queues the copies of `parts` (1-D) into consecutive slices of the 1-D `dst`, from its start, as
   /// one transfer (one injected copy delay): pieces sent where they belong, not concatenated on
-  /// the device first. Their sizes must add up to dst's.
-  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts);
+  /// the device first. Their sizes must add up to dst's. With `offsets` (one a part), each part goes
+  /// to the slice starting at its offset instead, and may leave the rest of dst as it is.
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                  const std::vector<int64_t>& offsets = {});
   /// Queues dst.index_copy_(0, index, src) as one transfer (one injected copy delay): the rows of
   /// `src` (wherever it is, in any dtype) written into the rows `index` (distinct, int64, on dst's
   /// device) of `dst`. On CUDA `src` crosses into a buffer on dst's device first, allocated on this
@@ -225,8 +227,10 @@ class StreamImpl {
   virtual ~StreamImpl() = default;
   virtual const torch::Device& device() const = 0;
   virtual void copy(const torch::Tensor& dst, const torch::Tensor& src) = 0;
-  /// Checked by Stream::copy_parts: parts 1-D, their sizes adding up to dst's.
-  virtual void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) = 0;
+  /// Checked by Stream::copy_parts: parts 1-D, their sizes adding up to dst's, or each within dst
+  /// at its offset.
+  virtual void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                          const std::vector<int64_t>& offsets) = 0;
   /// Checked by Stream::copy_rows: dst and src 2-D with equal widths, index 1-D int64 on dst's device.
   virtual void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) = 0;
   virtual std::shared_ptr<EventImpl> record() = 0;
@@ -239,8 +243,10 @@ class StreamImpl {
 };
 
 namespace detail {
-/// dst's consecutive slices, from its start, take the parts in turn (what copy_parts queues).
-void copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts, bool non_blocking);
+/// dst's consecutive slices, from its start, take the parts in turn, or each part the slice at its
+/// offset (what copy_parts queues).
+void copy_parts_into(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                     const std::vector<int64_t>& offsets, bool non_blocking);
 /// dst's rows `index` take src's rows, src brought to dst's device and dtype first (what copy_rows queues).
 void copy_rows_into(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src, bool non_blocking);
 std::shared_ptr<StreamImpl> cuda_compute_stream(const torch::Device& device);

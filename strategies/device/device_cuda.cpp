@@ -37,10 +37,11 @@ class CudaStream : public StreamImpl {
     torch::NoGradGuard no_grad;
     dst.copy_(src, /*non_blocking=*/true);
   }
-  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts) override {
+  void copy_parts(const torch::Tensor& dst, const std::vector<torch::Tensor>& parts,
+                  const std::vector<int64_t>& offsets) override {
     c10::cuda::CUDAStreamGuard guard(stream_);
     delay(injected_delays().copy);
-    detail::copy_parts_into(dst, parts, /*non_blocking=*/true);
+    detail::copy_parts_into(dst, parts, offsets, /*non_blocking=*/true);
   }
   void copy_rows(const torch::Tensor& dst, const torch::Tensor& index, const torch::Tensor& src) override {
     c10::cuda::CUDAStreamGuard guard(stream_);
