@@ -21,6 +21,7 @@
 #include "correctness/support/failing_block.h"
 #include "models/check.h"
 #include "correctness/support/test_device.h"
+#include "strategies/checkpoint.h"
 #include "strategies/device/device.h"
 #include "strategies/hook_offload/hook_offload.h"
 
@@ -149,6 +150,108 @@ int64_t expect_auto_opening(const HookOffload& s, const models::BlockModel& mode
 
 // The arithmetic of opening=fit: the floor always, then windows while their bytes, summed from
 // window 0, fit in the budget; a window that adds nothing (its units held already) is free.
+// A block of two layers, y = second(first(x)): backward reaches the second layer's parameters
+// first. With a sink, block_gradients hands each gradient over as autograd produces it, so the
+// second layer's arrive while the first layer's do not exist yet; the gradients returned are
+// autograd's, and nothing is left in any parameter's .grad.
+class TwoLayers : public models::Block {
+ public:
+  TwoLayers() {
+    first = register_module("first", torch::nn::Linear(8, 16));
+    second = register_module("second", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return second->forward(torch::tanh(first->forward(x))); }
+  torch::nn::Linear first{nullptr}, second{nullptr};
+};
+
+TEST(BlockGradients, a_sink_gets_each_gradient_as_backward_reaches_it) {
+  torch::manual_seed(0);
+  auto block = std::make_shared<TwoLayers>();
+  block->to(test::device());
+  const auto x = torch::randn({5, 8}, torch::TensorOptions().device(test::device()));
+  const auto grad_out = torch::randn({5, 4}, x.options());
+  const auto params = block->parameters();  // first.weight, first.bias, second.weight, second.bias
+  ASSERT_EQ(params.size(), 4u);
+
+  // Autograd's own answer, from a graph of its own.
+  std::vector<torch::Tensor> expected;
+  {
+    auto leaf = x.detach().requires_grad_(true);
+    std::vector<torch::Tensor> inputs{leaf};
+    for (const auto& p : params) inputs.push_back(p);
+    expected = torch::autograd::grad({block->forward(leaf)}, inputs, {grad_out});
+  }
+
+  std::vector<size_t> order;
+  std::vector<bool> first_layer_done_at(params.size(), false);  // the first layer's weight had arrived when each came
+  auto grads = block_gradients(run_keeping_graph(*block, x).second, {grad_out}, [&](size_t i, const torch::Tensor& g) {
+    EXPECT_TRUE(g.defined());
+    first_layer_done_at[i] = std::find(order.begin(), order.end(), 0u) != order.end();
+    order.push_back(i);
+  });
+  std::set<size_t> seen(order.begin(), order.end());
+  EXPECT_EQ(seen, (std::set<size_t>{0, 1, 2, 3})) << "every parameter's gradient reaches the sink once";
+  EXPECT_EQ(order.size(), 4u);
+  EXPECT_FALSE(first_layer_done_at[2]) << "the second layer's weight came after the first layer's: at the end, not as produced";
+  EXPECT_FALSE(first_layer_done_at[3]) << "the second layer's bias came after the first layer's weight";
+  ASSERT_TRUE(grads.input.defined());
+  EXPECT_TRUE(torch::equal(grads.input, expected[0]));
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(grads.params[i].defined()) << i;
+    EXPECT_TRUE(torch::equal(grads.params[i], expected[i + 1])) << "parameter " << i;
+    EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i << " kept a .grad";
+  }
+  // The hooks went with the backward: another one, without a sink, returns the same and calls nothing.
+  auto again = block_gradients(run_keeping_graph(*block, x).second, {grad_out});
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(again.params[i], expected[i + 1])) << i;
+  EXPECT_EQ(order.size(), 4u);
+}
+
+// grads_early (auto, which is 1 in fp32): the blocks' own gradients go to the host in parts queued
+// during their backward (block_gradients' sink), in gpt-tiny and an MLP; with grads_early=0, none does.
+// Parity of both is the parity suite's (the generators draw grads_early=0 too).
+TEST(HookOffload, a_blocks_gradients_go_in_parts_while_its_backward_runs) {
+  for (const auto* preset : {"gpt-tiny", "mlp-tiny"}) {
+    const auto config = models::preset(preset).config;
+    const auto batch = models::make_batch(config, 2, 1);
+    for (const char* early : {"1", "0"}) {
+      auto s = make_offload({{"grads_early", early}});
+      s->attach(models::build_model(config, 0));
+      s->reset_stats();
+      s->train_step(batch);
+      s->finish_backward();
+      const auto moved = s->stats().bytes_d2h;
+      if (std::string(early) == "1")
+        EXPECT_GE(s->early_gradient_transfers(), config.depth) << preset << ": parts that went during backward";
+      else
+        EXPECT_EQ(s->early_gradient_transfers(), 0) << preset;
+      s->optimizer_step();
+      // The same bytes either way: parts, not more.
+      auto other = make_offload({{"grads_early", std::string(early) == "1" ? "0" : "1"}});
+      other->attach(models::build_model(config, 0));
+      other->reset_stats();
+      other->train_step(batch);
+      other->finish_backward();
+      EXPECT_EQ(other->stats().bytes_d2h, moved) << preset;
+    }
+  }
+  // auto: early where the blocks compute in fp32 (above), not under bf16 unless asked for.
+  StrategyConfig bf16;
+  bf16.precision = PrecisionPolicy::parse("bf16");
+  const auto config = models::preset("gpt-tiny").config;
+  for (const char* early : {"auto", "1"}) {
+    auto s = make_offload({{"grads_early", early}}, bf16);
+    s->attach(models::build_model(config, 0));
+    s->reset_stats();
+    s->train_step(models::make_batch(config, 2, 1));
+    s->finish_backward();
+    if (std::string(early) == "auto")
+      EXPECT_EQ(s->early_gradient_transfers(), 0) << "bf16, grads_early=auto";
+    else
+      EXPECT_GE(s->early_gradient_transfers(), config.depth) << "bf16, grads_early=1";
+  }
+}
+
 TEST(HookOffload, a_fitted_opening_takes_its_floor_then_the_windows_that_fit) {
   const std::vector<int64_t> ten{10, 10, 10, 10};
   EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 0), 2);

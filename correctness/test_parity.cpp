@@ -602,6 +602,12 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   // A tied matrix sent early with its rows after, as well as whole at its fetch (the default).
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_early") > 0; }), 0.2);
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_early") == 0; }), 0.4);
+  // A block's gradients all at its backward's end, in parts during it, and as auto decides.
+  for (const auto* v : {"0", "1"})
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.count("grads_early") && c.options.at("grads_early") == v; }),
+              0.1)
+        << "grads_early=" << v;
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("grads_early") == 0; }), 0.4);
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it
   // or fetch in the optimizer step; the overlapped optimizer refuses an opening.
   const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);

@@ -1,6 +1,10 @@
 #include "strategies/checkpoint.h"
 
+#include <algorithm>
+
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "models/check.h"
 
@@ -21,7 +25,50 @@ KeptGraph recompute_graph(models::Block& block, const torch::Tensor& x) {
   return run_keeping_graph(block, x).second;
 }
 
-BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out) {
+namespace {
+
+// Takes the gradient arriving at a leaf's accumulator and passes nothing on, so the accumulator
+// adds nothing to the leaf's .grad: the gradient is returned, as a captured one would be.
+class TakeGradient : public torch::autograd::FunctionPreHook {
+ public:
+  explicit TakeGradient(std::function<void(const torch::Tensor&)> take) : take_(std::move(take)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (!grads.empty() && grads[0].defined()) take_(grads[0]);
+    return {torch::Tensor()};
+  }
+
+ private:
+  std::function<void(const torch::Tensor&)> take_;
+};
+
+// The TakeGradient hooks added to accumulators for one backward, removed however it ends: an
+// accumulator lives as long as its leaf (a parameter's, across steps).
+class TakenHooks {
+ public:
+  ~TakenHooks() {
+    for (const auto& [node, hook] : added_) {
+      auto& hooks = node->pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.get() == hook; }),
+                  hooks.end());
+    }
+  }
+  void add(const std::shared_ptr<torch::autograd::Node>& node, std::function<void(const torch::Tensor&)> take) {
+    auto hook = std::make_unique<TakeGradient>(std::move(take));
+    added_.emplace_back(node, hook.get());
+    node->add_pre_hook(std::move(hook));
+  }
+
+ private:
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, const torch::autograd::FunctionPreHook*>> added_;
+};
+
+bool is_accumulator(const torch::autograd::Edge& edge) {
+  return dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get()) != nullptr;
+}
+
+}  // namespace
+
+BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out, const GradientSink& sink) {
   // What autograd::grad does, started from an edge instead of the output tensor. Only valid edges
   // are asked for: the engine has nothing to return for a frozen parameter.
   BlockGradients out;
@@ -37,11 +84,34 @@ BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>
     param_of.push_back(i);
   }
   if (wanted.empty()) return out;
-  auto grads = torch::autograd::Engine::get_default_engine().execute(
-      {graph.output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  // With a sink, the gradients are taken at the leaves' accumulators, which the engine runs as soon
+  // as each gradient is complete (captured gradients are only handed back once the whole graph has
+  // run). Only where every wanted edge is a distinct leaf's accumulator; otherwise they are captured
+  // and the sink gets none (its caller has them all at the end).
+  bool at_accumulators = static_cast<bool>(sink) && std::all_of(wanted.begin(), wanted.end(), is_accumulator);
+  for (size_t a = 0; at_accumulators && a < wanted.size(); ++a)
+    for (size_t b = a + 1; b < wanted.size(); ++b)
+      if (wanted[a].function == wanted[b].function) at_accumulators = false;
+  if (!at_accumulators) {
+    auto grads = engine.execute({graph.output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false,
+                                /*accumulate_grad=*/false, wanted);
+    size_t next = 0;
+    if (wants_input) out.input = grads[next++];
+    for (auto i : param_of) out.params[i] = grads[next++];
+    return out;
+  }
+  TakenHooks hooks;
   size_t next = 0;
-  if (wants_input) out.input = grads[next++];
-  for (auto i : param_of) out.params[i] = grads[next++];
+  if (wants_input) hooks.add(wanted[next++].function, [&out](const torch::Tensor& g) { out.input = g; });
+  for (auto i : param_of)
+    hooks.add(wanted[next++].function, [&out, &sink, i](const torch::Tensor& g) {
+      out.params[i] = g;
+      sink(i, g);
+    });
+  // accumulate_grad: the accumulators run (and find nothing to add, their hooks having taken it).
+  engine.execute({graph.output}, grad_out, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+                 wanted);
   return out;
 }
 

@@ -3,6 +3,8 @@
 // keeping a block's own graph between forward and backward, taking its input's and parameters'
 // gradients from it, per-block activation checkpointing built on the two, and the buffer
 // bookkeeping that makes a recomputed forward leave buffers as the one forward did.
+#include <functional>
+
 #include <torch/csrc/autograd/edge.h>
 
 #include "models/model.h"
@@ -32,9 +34,18 @@ struct BlockGradients {
   torch::Tensor input;                ///< undefined for an input that needs none (token ids)
   std::vector<torch::Tensor> params;  ///< in the block's parameters() order; undefined where unused or frozen
 };
+/// Called with one parameter's gradient (its index in the block's parameters() order) as soon as
+/// autograd has produced it, while the rest of the block's backward is still being issued, on the
+/// thread running that backward; the same tensor is returned in BlockGradients::params too.
+using GradientSink = std::function<void(size_t param, const torch::Tensor& grad)>;
+
 /// Gradients of a kept graph's input and of the block's parameters for the output gradient
-/// `grad_out`, returned rather than accumulated into .grad. Consumes the graph.
-BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out);
+/// `grad_out`, returned rather than accumulated into .grad. Consumes the graph. With a `sink`, each
+/// parameter's gradient is also handed to it as soon as it exists (a parameter left without one
+/// never is), so its copy elsewhere can start before the block's backward has ended: where the
+/// graph reaches every parameter and the input as leaves (a block's own graph does), else never.
+BlockGradients block_gradients(KeptGraph graph, const std::vector<torch::Tensor>& grad_out,
+                               const GradientSink& sink = {});
 
 /// The gradient of a kept graph's input alone for `grad_out`, keeping the graph for the parameters'
 /// gradients later (block_gradients with the same grad_out): a zero-bubble schedule's input-gradient

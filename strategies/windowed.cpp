@@ -85,7 +85,7 @@ struct WindowedBlock : torch::autograd::Function<WindowedBlock> {
       graph = std::move(runner->kept_graphs()[block]);
       runner->kept_graphs()[block] = {};
     }
-    auto grads = block_gradients(std::move(graph), grad_out);
+    auto grads = block_gradients(std::move(graph), grad_out, runner->gradient_sink(block));
     as_before.reset();
     runner->flush_gradients(block, grads.params);
     runner->after_compute(block, /*backward=*/true);

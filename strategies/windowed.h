@@ -28,6 +28,9 @@ class WindowedRunner {
   /// on their way).
   virtual void before_compute(int64_t block, bool backward) = 0;
   virtual void after_compute(int64_t block, bool backward) = 0;
+  /// Where the block's parameter gradients go one by one while its backward runs (block_gradients'
+  /// sink), or none (the default). flush_gradients gets all of them at the end either way.
+  virtual GradientSink gradient_sink(int64_t /*block*/) { return {}; }
   /// The block's parameter gradients, in its parameters() order (undefined where none).
   virtual void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) = 0;
   /// True: the block's forward is recomputed in backward; false: its graph is kept from forward.

@@ -31,6 +31,8 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
     STRATA_CHECK(o.opening >= 0, "hook_offload: option opening='"
                                      << opening << "' is not valid; use auto, fit or a window count, 0 or more");
   }
+  const auto early = reader.get_choice("grads_early", {"auto", "1", "0"});
+  o.grads_early = early == "auto" ? HookOffloadOptions::kEarlyAuto : early == "1" ? 1 : 0;
   o.recompute = reader.get_choice("activations", {"recompute", "keep"}) == "recompute";
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
@@ -126,6 +128,11 @@ struct HookOffload::Unit {
   std::shared_ptr<device::Gate> early_rows_gathered;
   /// The unit's device buffer is the early one, handed over by acquire(): its fetch sends the rows alone.
   bool early_rows_next = false;
+  /// grads_early: gradient parts of the running backward waiting to go to host_grad, at these
+  /// offsets, and their bytes.
+  std::vector<torch::Tensor> early_parts;
+  std::vector<int64_t> early_offsets;
+  int64_t early_part_bytes = 0;
   bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   std::vector<int64_t> uses;    ///< the blocks whose windows hold this unit, in forward order
@@ -239,6 +246,9 @@ void HookOffload::attach_model(models::BlockModel model) {
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
+  param_index_.clear();
+  for (size_t p = 0; p < params.size(); ++p) param_index_[params[p].tensor.unsafeGetTensorImpl()] = static_cast<int64_t>(p);
+  sent_early_.assign(params.size(), 0);
   const auto& precision = config_.precision;
   const auto dev_options = torch::TensorOptions().dtype(precision.compute).device(config_.device);
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -603,6 +613,68 @@ torch::Tensor as_one_tensor(const std::vector<torch::Tensor>& parts) {
 }
 }  // namespace
 
+bool HookOffload::grads_early() const {
+  return options_.grads_early == HookOffloadOptions::kEarlyAuto ? config_.precision.compute == torch::kFloat
+                                                                 : options_.grads_early == 1;
+}
+
+bool HookOffload::sends_early(const Unit& unit) const {
+  // One user: the block whose backward runs now is the unit's only and last use this step. Not a
+  // later micro-batch's gradient (grad_filled), which is added on the host through staging.
+  return grads_early() && unit.users == 1 && unit.rows == 0 && unit.trainable_numel > 0 && !unit.on_device() &&
+         !unit.grad_filled;
+}
+
+GradientSink HookOffload::gradient_sink(int64_t block) {
+  if (!grads_early()) return {};
+  auto block_params = model().blocks()[block]->parameters();
+  struct Early {
+    Unit* unit = nullptr;
+    int64_t param = -1;
+  };
+  std::vector<Early> early(block_params.size());
+  bool any = false;
+  for (size_t i = 0; i < block_params.size(); ++i) {
+    if (!block_params[i].requires_grad()) continue;  // frozen: never sent
+    const auto p = param_index_.at(block_params[i].unsafeGetTensorImpl());
+    auto& unit = units_[param_slot_[p].first];
+    if (!sends_early(unit)) continue;
+    early[i] = {&unit, p};
+    any = true;
+  }
+  if (!any) return {};
+  return [this, early = std::move(early)](size_t i, const torch::Tensor& grad) {
+    if (i < early.size() && early[i].unit) take_early(*early[i].unit, early[i].param, grad);
+  };
+}
+
+void HookOffload::take_early(Unit& unit, int64_t p, const torch::Tensor& grad) {
+  // As flush_gradients would send it: flat, in the reduction dtype (fp32).
+  auto part = grad.reshape({-1});
+  if (part.scalar_type() != torch::kFloat) part = part.to(torch::kFloat);
+  unit.early_parts.push_back(part);
+  unit.early_offsets.push_back(param_slot_[p].second);
+  unit.early_part_bytes += part.nbytes();
+  sent_early_[p] = 1;
+  // A quarter at a time: a GPT block's two MLP matrices go as they come and its attention's
+  // matrices together; its layer norms' and biases' small gradients ride along, not alone.
+  if (4 * unit.early_part_bytes >= unit.trainable_numel * static_cast<int64_t>(sizeof(float))) send_early_parts(unit);
+}
+
+void HookOffload::send_early_parts(Unit& unit) {
+  if (unit.early_parts.empty()) return;
+  d2h_.wait(compute_.record());  // behind the compute that produced them
+  for (const auto& part : unit.early_parts) {
+    d2h_.keep_alive(part);
+    bytes_d2h_ += part.nbytes();
+  }
+  d2h_.copy_parts(unit.host_grad, unit.early_parts, unit.early_offsets);
+  unit.early_parts.clear();
+  unit.early_offsets.clear();
+  unit.early_part_bytes = 0;
+  ++early_transfers_;  // (last_copy_ is recorded once the unit's last part has gone, in flush_gradients)
+}
+
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
   // grads follow the block's parameters() order. A unit's gradients go to the host in its flat
   // order, each copied straight into its slice of the host buffer (no concatenation on the compute
@@ -615,6 +687,35 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing goes back, nothing to update
+    if (std::any_of(unit.params.begin(), unit.params.end(), [&](int64_t p) { return sent_early_[p] != 0; })) {
+      // grads_early: parts went while the backward ran. The rest (the last parts, and zeros for a
+      // parameter the block left without a gradient) go now; then the unit is whole on its way.
+      send_early_parts(unit);
+      std::vector<torch::Tensor> rest;
+      std::vector<int64_t> offsets;
+      for (auto p : unit.params) {
+        const auto& t = params[p].tensor;
+        if (!t.requires_grad()) break;  // the frozen tail
+        if (std::exchange(sent_early_[p], 0) != 0) continue;
+        auto g = grad_of.at(t.unsafeGetTensorImpl());
+        g = g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options().dtype(torch::kFloat));
+        rest.push_back(g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat));
+        offsets.push_back(param_slot_[p].second);
+      }
+      if (!rest.empty()) {
+        d2h_.wait(compute_.record());
+        for (const auto& part : rest) {
+          d2h_.keep_alive(part);
+          bytes_d2h_ += part.nbytes();
+        }
+        d2h_.copy_parts(unit.host_grad, rest, offsets);
+      }
+      unit.grad_filled = true;
+      --unit.pending_users;
+      last_copy_ = d2h_.record();
+      if (options_.overlap_optimizer) queue_update(unit, last_copy_);
+      continue;
+    }
     // Autograd's results (or views of them, or zeros for a parameter the block left without a
     // gradient), read by the device sum (compute stream) or by the copies (marked in use by the
     // copy stream in send_gradient). Gradients return in the reduction dtype (fp32):
@@ -1065,7 +1166,11 @@ double HookOffload::train_step(const models::Batch& batch) {
     anchor_.mutable_grad() = torch::Tensor();
     if (failed) {
       backward_seen_bytes_ = 0;  // a backward that failed (out of memory, say) sizes no opening
+      std::fill(sent_early_.begin(), sent_early_.end(), 0);  // parts of a backward that did not end
       for (auto& unit : units_) {
+        unit.early_parts.clear();
+        unit.early_offsets.clear();
+        unit.early_part_bytes = 0;
         unit.device_grad = torch::Tensor();  // a failed backward's partial sums
         // A first use already on the host, its last use never came: that host gradient is this
         // step's alone (a first use is sent only when the unit held none), so it is dropped.
@@ -1314,6 +1419,7 @@ Stats HookOffload::stats() {
 
 void HookOffload::reset_stats() {
   bytes_h2d_ = bytes_d2h_ = 0;
+  early_transfers_ = 0;
   fetches_behind_updates_ = 0;
   host_update_ns_ = 0;
   peak_bytes_ = resident_bytes_;
@@ -1346,6 +1452,9 @@ static const OptionDocumenter hook_offload_docs(
      {"tied_early", "0/1",
       "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device at the end of "
       "backward, and the next forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
+     {"grads_early", "auto, 1, 0",
+      "a block's own gradients go to the host in parts while its backward runs, a quarter of the block's gradient bytes "
+      "at a time (1), or all at once when the backward has ended (0); auto: 1 where the compute dtype is fp32"},
      {"activations", "recompute, keep",
       "recompute blocks in backward, or keep their activations (resident ones follow resident_activations)"},
      {"merge_last", "0/1", "the last block stays from its forward through its backward"},

@@ -2,11 +2,11 @@
 // Hook offload (seed 003, done right): parameters and gradients live in pinned host buffers
 // allocated once; each block's parameters are streamed to the device on a side stream just before
 // use (prefetching the next blocks) and released right after; backward re-fetches in reverse order
-// and recomputes the block (or uses kept activations); gradients stream back to host buffers as
-// soon as a block's backward is done; the optimizer runs on the host, and (without
-// overlap_optimizer) fetches the windows the next forward opens with (blocks 0 to prefetch, or
-// `opening` of them) as soon as their own units are updated, so that forward does not start on an
-// idle link. A tied parameter is one host copy, loaded once per use window by reference count (in
+// and recomputes the block (or uses kept activations); gradients stream back to host buffers while
+// a block's backward runs, in parts as autograd produces them (grads_early; or once it is done); the
+// optimizer runs on the host, and (without overlap_optimizer) fetches the windows the next forward
+// opens with (blocks 0 to prefetch, or `opening` of them) as soon as their own units are updated,
+// so that forward does not start on an idle link. A tied parameter is one host copy, loaded once per use window by reference count (in
 // a forward kept from one use to the next: carry_tied), and receives the sum of its uses'
 // gradients, added on the device as each use's backward ends and sent to the host once, after the
 // last; that fp32 sum stays on the device from the first use's backward to the last's. A matrix
@@ -29,6 +29,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 
 #include "strategies/windowed.h"
 #include "strategies/device/device.h"
@@ -80,6 +81,16 @@ struct HookOffloadOptions {
   /// default: paired on three H200 hosts it moved gpt-871m's overlapped step by -6.3, -0.8 and +2.7
   /// ms (two intervals across 0) and cost gpt-medium's +0.8 and +1.5 ms (bench/NOTES.md).
   bool tied_early = false;
+  /// A block's own gradients go to the host in parts while its backward runs, each part once
+  /// autograd has produced a quarter of the unit's gradient bytes (its last at the block's end),
+  /// rather than all of them once the backward has ended: what is left to cross the link after the
+  /// last block's backward is then its last part, not its whole window (bench/NOTES.md, "A block's
+  /// gradients sent while its backward runs"). Tied units, units trained on the device and a
+  /// step's later micro-batches (summed on the host through staging) still go at the block's end.
+  /// 1 or 0; kEarlyAuto: 1 where the compute dtype is fp32. Under bf16 it made gpt-medium's
+  /// forward+backward slower on two H200 hosts (+0.8 and +1.2 ms), for a cause not traced.
+  static constexpr int kEarlyAuto = -1;
+  int grads_early = kEarlyAuto;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
   bool merge_last = true;              ///< the last block stays on the device from its forward through its backward
   std::vector<int64_t> resident;       ///< blocks kept on the device for good
@@ -158,6 +169,9 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// At least `floor` (capped at the model's windows); beyond it, windows while the sum of their
   /// bytes stays within `budget`.
   static int64_t fit_opening_windows(const std::vector<int64_t>& new_bytes, int64_t floor, int64_t budget);
+  /// grads_early: transfers of gradient parts queued while their block's backward was running,
+  /// since the last reset_stats() (tests: the parts did go early).
+  int64_t early_gradient_transfers() const { return early_transfers_; }
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
   /// True while gradients are still on their way to the host: a copy queued, or a later
@@ -195,6 +209,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
   void after_compute(int64_t block, bool backward) override;
+  GradientSink gradient_sink(int64_t block) override;
   void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) override;
   models::BlockModel& model() override;
   bool recompute_block(int64_t block) const override;
@@ -247,6 +262,15 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// flat trainable prefix in order) to its host buffer, or to be added there (another
   /// micro-batch's). In overlap mode the caller queues the unit's update behind it.
   void send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
+  /// The grads_early option resolved.
+  bool grads_early() const;
+  /// grads_early: whether the unit's gradient of this backward may go to the host in parts.
+  bool sends_early(const Unit& unit) const;
+  /// grads_early: parameter p's gradient joins the unit's parts waiting to go; they go once they
+  /// make up a quarter of the unit's gradient bytes.
+  void take_early(Unit& unit, int64_t p, const torch::Tensor& grad);
+  /// Queues the copy of the unit's waiting parts into their slices of its host gradient.
+  void send_early_parts(Unit& unit);
   /// The last use of a tied matrix whose first use was sent already: its rows that are not all
   /// zero, with their indices, added on the host (in plain mode all of it when more than half are
   /// touched); in overlap mode queued as the unit's rows part.
@@ -310,6 +334,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
+  std::unordered_map<const void*, int64_t> param_index_;  ///< a parameter's TensorImpl -> its index
+  std::vector<char> sent_early_;  ///< parameter -> its gradient of the running backward went (grads_early)
   std::vector<KeptGraph> kept_;  ///< block -> its own graph from forward to backward (kept activations)
   std::deque<device::Event> releases_;  ///< compute events after windows were dropped, oldest first
   torch::Tensor anchor_;  ///< requires grad, so every block's output does (even from token ids)
@@ -339,6 +365,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::function<int64_t()> memory_probe_;  ///< read_device_memory_with
   std::atomic<int64_t> fetches_behind_updates_{0};  ///< Stats::fetches_behind_host_updates
   std::atomic<int64_t> host_update_ns_{0};          ///< Stats::host_update_ms
+  int64_t early_transfers_ = 0;  ///< early_gradient_transfers()
   int64_t bytes_h2d_ = 0, bytes_d2h_ = 0, resident_bytes_ = 0, permanent_bytes_ = 0, peak_bytes_ = 0;
 };
 
