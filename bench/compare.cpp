@@ -3,7 +3,7 @@
 // loss parity, step time, and memory per strategy.
 //
 //   strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N]
-//                  [--strategies=a,b] [--optimizer=sgd|adamw] [--inference] [--no-tf32]
+//                  [--strategies=a,b] [--optimizer=sgd|adamw] [--precision=P] [--inference] [--no-tf32]
 //                  [--classes=N] [--options='key=value;strategy:key=value'] [--profile=DIR]
 //                  [--profile-steps=N]
 //
@@ -49,13 +49,14 @@ struct Args {
   bool tf32 = true;
   int64_t classes = 0;                        ///< overrides the preset's class count
   std::map<std::string, std::string> options; ///< key=value for every strategy, or strategy:key=value for one
+  PrecisionPolicy precision;                  ///< fp32 by default
   std::string profile_dir;                    ///< where one profiled forward+backward per strategy goes
   int profile_steps = 0;                      ///< whole steps profiled instead (0: one forward+backward)
 };
 
 constexpr const char* kUsage =
     "usage: strata_compare [--model=PRESET] [--device=cpu|cuda:N] [--steps=N] [--batch=N] [--strategies=a,b]\n"
-    "                      [--optimizer=sgd|adamw] [--inference] [--no-tf32] [--classes=N]\n"
+    "                      [--optimizer=sgd|adamw] [--precision=P] [--inference] [--no-tf32] [--classes=N]\n"
     "                      [--options='k=v;strategy:k=v'] [--profile=DIR [--profile-steps=N]]\n"
     "                      | --list[=markdown] | --help\n"
     "Checks each strategy's parity with the baseline, then times training steps of the model and prints\n"
@@ -63,6 +64,7 @@ constexpr const char* kUsage =
     "  --model       a preset (--list shows them; default gpt-cpu on the CPU, gpt-medium on a GPU)\n"
     "  --strategies  registered strategies, comma-separated (default: every one that needs no options)\n"
     "  --options     options for every strategy, or strategy:key=value for one, ';'-separated\n"
+    "  --precision   as strata_bench's: fp32, bf16, fp16, with overrides (bf16,transfer=fp32)\n"
     "  --inference   forward only; --no-tf32: full fp32 matrix products on the GPU\n"
     "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n"
     "  --profile-steps  N whole steps profiled instead, back to back (forward+backward and optimizer step)\n"
@@ -94,6 +96,7 @@ Args parse_args(int argc, char** argv) {
     else if (const char* v = value("steps")) a.steps = static_cast<int>(bench::int_arg("steps", v));
     else if (const char* v = value("batch")) a.batch = bench::int_arg("batch", v);
     else if (const char* v = value("optimizer")) a.optimizer = v;
+    else if (const char* v = value("precision")) a.precision = PrecisionPolicy::parse(v);
     else if (arg == "--inference") a.inference = true;
     else if (const char* v = value("classes")) a.classes = bench::int_arg("classes", v);
     else if (const char* v = value("options")) a.options = bench::parse_options_arg(v);
@@ -135,11 +138,12 @@ int run(int argc, char** argv) {
   config.device = dev;
   config.optimizer.kind = parse_optimizer_kind(args.optimizer);
   config.optimizer.lr = 1e-4;
+  config.precision = args.precision;
 
-  std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s\n",
+  std::printf("strata comparison: model %s (%s), batch %ld, %d timed %s, %s, device %s, tf32 %s, precision %s\n",
               preset.name.c_str(), preset.config.to_string().c_str(), static_cast<long>(batch_size), args.steps,
               args.inference ? "forward passes" : "steps", config.optimizer.to_string().c_str(), dev.str().c_str(),
-              args.tf32 ? "on" : "off");
+              args.tf32 ? "on" : "off", args.precision.to_string().c_str());
   // The CPU allocator keeps no statistics: there the memory columns are the strategy's own account
   // of parameter bytes on the device (peak, and resident after the steps), in units that fit them.
   const bool accounted = !dev.is_cuda();
@@ -189,7 +193,7 @@ int run(int argc, char** argv) {
     const std::string label = bench::label_with_options(name, config.options);
     correctness::ParityResult parity;
     try {
-      parity = bench::check_before_timing(name, preset.config, config.options, dev);
+      parity = bench::check_before_timing(name, preset.config, config.options, dev, args.precision);
     } catch (const std::exception& e) {
       parity = {false, std::string("the check could not run: ") + e.what()};
     }
