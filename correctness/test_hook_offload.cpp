@@ -148,20 +148,24 @@ int64_t expect_auto_opening(const HookOffload& s, const models::BlockModel& mode
   return s.last_opening() > 0 ? opening_bytes(model, s.last_opening() - 1) : 0;
 }
 
-// The arithmetic of opening=fit: the floor always, then windows while their bytes, summed from
-// window 0, fit in the budget; a window that adds nothing (its units held already) is free.
-// A block of two layers, y = second(first(x)): backward reaches the second layer's parameters
-// first. With a sink, block_gradients hands each gradient over as autograd produces it, so the
-// second layer's arrive while the first layer's do not exist yet; the gradients returned are
-// autograd's, and nothing is left in any parameter's .grad.
+// A block of two layers, y = second(tanh(first(x))): backward reaches the second layer's
+// parameters first. With a sink, block_gradients hands each gradient over as autograd produces it,
+// so the second layer's arrive before backward has reached the hidden layer (`hidden_reached`, set
+// by a hook on it) and the first layer's after; the gradients returned are autograd's, nothing is
+// left in any parameter's .grad, and no hook stays on an accumulator another graph still holds.
 class TwoLayers : public models::Block {
  public:
   TwoLayers() {
     first = register_module("first", torch::nn::Linear(8, 16));
     second = register_module("second", torch::nn::Linear(16, 4));
   }
-  torch::Tensor forward(const torch::Tensor& x) override { return second->forward(torch::tanh(first->forward(x))); }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto hidden = torch::tanh(first->forward(x));
+    if (hidden.requires_grad()) hidden.register_hook([this](const torch::Tensor&) { hidden_reached = true; });
+    return second->forward(hidden);
+  }
   torch::nn::Linear first{nullptr}, second{nullptr};
+  bool hidden_reached = false;
 };
 
 TEST(BlockGradients, a_sink_gets_each_gradient_as_backward_reaches_it) {
@@ -182,18 +186,26 @@ TEST(BlockGradients, a_sink_gets_each_gradient_as_backward_reaches_it) {
     expected = torch::autograd::grad({block->forward(leaf)}, inputs, {grad_out});
   }
 
+  // A second graph of the same block, alive throughout: it holds the parameters' accumulators,
+  // so they outlive the first backward with whatever hooks it left on them.
+  auto other = run_keeping_graph(*block, x).second;
   std::vector<size_t> order;
-  std::vector<bool> first_layer_done_at(params.size(), false);  // the first layer's weight had arrived when each came
+  std::vector<bool> hidden_reached_at(params.size(), false);  // backward had reached the hidden layer when each came
+  block->hidden_reached = false;
   auto grads = block_gradients(run_keeping_graph(*block, x).second, {grad_out}, [&](size_t i, const torch::Tensor& g) {
     EXPECT_TRUE(g.defined());
-    first_layer_done_at[i] = std::find(order.begin(), order.end(), 0u) != order.end();
+    hidden_reached_at[i] = block->hidden_reached;
     order.push_back(i);
   });
+  EXPECT_TRUE(block->hidden_reached);
   std::set<size_t> seen(order.begin(), order.end());
   EXPECT_EQ(seen, (std::set<size_t>{0, 1, 2, 3})) << "every parameter's gradient reaches the sink once";
   EXPECT_EQ(order.size(), 4u);
-  EXPECT_FALSE(first_layer_done_at[2]) << "the second layer's weight came after the first layer's: at the end, not as produced";
-  EXPECT_FALSE(first_layer_done_at[3]) << "the second layer's bias came after the first layer's weight";
+  EXPECT_FALSE(hidden_reached_at[2]) << "the second layer's weight came once backward was past it: not as produced";
+  EXPECT_FALSE(hidden_reached_at[3]) << "the second layer's bias came once backward was past it";
+  EXPECT_TRUE(hidden_reached_at[0] && hidden_reached_at[1]) << "the first layer's came before backward reached it";
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(other.params[i].function->pre_hooks().empty()) << "a hook stayed on parameter " << i << "'s accumulator";
   ASSERT_TRUE(grads.input.defined());
   EXPECT_TRUE(torch::equal(grads.input, expected[0]));
   for (size_t i = 0; i < params.size(); ++i) {
@@ -201,10 +213,18 @@ TEST(BlockGradients, a_sink_gets_each_gradient_as_backward_reaches_it) {
     EXPECT_TRUE(torch::equal(grads.params[i], expected[i + 1])) << "parameter " << i;
     EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i << " kept a .grad";
   }
-  // The hooks went with the backward: another one, without a sink, returns the same and calls nothing.
-  auto again = block_gradients(run_keeping_graph(*block, x).second, {grad_out});
+  // A sink that throws: the error comes out of block_gradients, and the hooks go all the same.
+  EXPECT_THROW(block_gradients(run_keeping_graph(*block, x).second, {grad_out},
+                               [](size_t, const torch::Tensor&) { throw std::runtime_error("sink failed"); }),
+               std::exception);
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(other.params[i].function->pre_hooks().empty()) << "after a failed sink, parameter " << i;
+  // The kept graph still gives autograd's gradients, through a sink of its own.
+  size_t calls = 0;
+  auto again = block_gradients(std::move(other), {grad_out}, [&](size_t, const torch::Tensor&) { ++calls; });
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(again.params[i], expected[i + 1])) << i;
-  EXPECT_EQ(order.size(), 4u);
+  EXPECT_EQ(calls, 4u);
+  EXPECT_EQ(order.size(), 4u) << "the first sink was called again";
 }
 
 // grads_early (auto, which is 1 in fp32): the blocks' own gradients go to the host in parts queued
@@ -252,6 +272,8 @@ TEST(HookOffload, a_blocks_gradients_go_in_parts_while_its_backward_runs) {
   }
 }
 
+// The arithmetic of opening=fit: the floor always, then windows while their bytes, summed from
+// window 0, fit in the budget; a window that adds nothing (its units held already) is free.
 TEST(HookOffload, a_fitted_opening_takes_its_floor_then_the_windows_that_fit) {
   const std::vector<int64_t> ten{10, 10, 10, 10};
   EXPECT_EQ(HookOffload::fit_opening_windows(ten, 2, 0), 2);

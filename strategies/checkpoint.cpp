@@ -42,7 +42,9 @@ class TakeGradient : public torch::autograd::FunctionPreHook {
 };
 
 // The TakeGradient hooks added to accumulators for one backward, removed however it ends: an
-// accumulator lives as long as its leaf (a parameter's, across steps).
+// accumulator lives as long as some graph holds it, and another graph of the same parameters (a
+// kept one, say) may hold it past this backward; a hook left on it would write into a finished
+// call's results.
 class TakenHooks {
  public:
   ~TakenHooks() {

@@ -35,8 +35,9 @@ struct BlockGradients {
   std::vector<torch::Tensor> params;  ///< in the block's parameters() order; undefined where unused or frozen
 };
 /// Called with one parameter's gradient (its index in the block's parameters() order) as soon as
-/// autograd has produced it, while the rest of the block's backward is still being issued, on the
-/// thread running that backward; the same tensor is returned in BlockGradients::params too.
+/// autograd has produced it, while the rest of the block's backward is still being issued, by the
+/// autograd engine while block_gradients waits for it; the same tensor is returned in
+/// BlockGradients::params too.
 using GradientSink = std::function<void(size_t param, const torch::Tensor& grad)>;
 
 /// Gradients of a kept graph's input and of the block's parameters for the output gradient

@@ -658,7 +658,10 @@ void HookOffload::take_early(Unit& unit, int64_t p, const torch::Tensor& grad) {
   sent_early_[p] = 1;
   // A quarter at a time: a GPT block's two MLP matrices go as they come and its attention's
   // matrices together; its layer norms' and biases' small gradients ride along, not alone.
-  if (4 * unit.early_part_bytes >= unit.trainable_numel * static_cast<int64_t>(sizeof(float))) send_early_parts(unit);
+  if (4 * unit.early_part_bytes >= unit.trainable_numel * static_cast<int64_t>(sizeof(float))) {
+    send_early_parts(unit);
+    ++early_transfers_;  // (not those flush_gradients sends at the block's end)
+  }
 }
 
 void HookOffload::send_early_parts(Unit& unit) {
@@ -672,7 +675,9 @@ void HookOffload::send_early_parts(Unit& unit) {
   unit.early_parts.clear();
   unit.early_offsets.clear();
   unit.early_part_bytes = 0;
-  ++early_transfers_;  // (last_copy_ is recorded once the unit's last part has gone, in flush_gradients)
+  // last_copy_ is recorded once the unit's last part has gone, in flush_gradients. (A backward
+  // that fails before that leaves these copies out of it; every later reader of host_grad
+  // synchronises the copy stream first, and the unit's gradient counts as not filled.)
 }
 
 void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {

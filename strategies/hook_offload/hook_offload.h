@@ -169,14 +169,16 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// At least `floor` (capped at the model's windows); beyond it, windows while the sum of their
   /// bytes stays within `budget`.
   static int64_t fit_opening_windows(const std::vector<int64_t>& new_bytes, int64_t floor, int64_t budget);
-  /// grads_early: transfers of gradient parts queued while their block's backward was running,
-  /// since the last reset_stats() (tests: the parts did go early).
+  /// grads_early: transfers of gradient parts queued while their block's backward was running
+  /// (not the last part of each, sent at its end), since the last reset_stats() (tests: parts
+  /// did go early).
   int64_t early_gradient_transfers() const { return early_transfers_; }
   /// Total reference count over all units (0 when nothing is held, resident blocks aside).
   int64_t references_held() const;
   /// True while gradients are still on their way to the host: a copy queued, or a later
   /// micro-batch's gradient not yet added there. False after finish_backward() (so a timer that
-  /// stops after it has counted the whole of backward).
+  /// stops after it has counted the whole of backward). After a train_step that failed, parts its
+  /// backward sent early may still be crossing (no later step reads them before they have).
   bool gradients_in_flight() const;
   /// Makes the next train_step's gradient copies to the host wait until `gate` opens (tests: a
   /// copy that is surely still in flight when train_step returns, however loaded the machine).
