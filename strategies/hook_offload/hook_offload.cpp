@@ -246,8 +246,13 @@ void HookOffload::attach_model(models::BlockModel model) {
 
   // Host buffers, allocated once; parameters become views of their unit's device buffer.
   param_slot_.assign(params.size(), {-1, 0});
-  param_index_.clear();
-  for (size_t p = 0; p < params.size(); ++p) param_index_[params[p].tensor.unsafeGetTensorImpl()] = static_cast<int64_t>(p);
+  {
+    std::unordered_map<const void*, int64_t> index_of;
+    for (size_t p = 0; p < params.size(); ++p) index_of[params[p].tensor.unsafeGetTensorImpl()] = static_cast<int64_t>(p);
+    block_params_.assign(model.blocks().size(), {});
+    for (size_t b = 0; b < model.blocks().size(); ++b)
+      for (const auto& t : model.blocks()[b]->parameters()) block_params_[b].push_back(index_of.at(t.unsafeGetTensorImpl()));
+  }
   sent_early_.assign(params.size(), 0);
   const auto& precision = config_.precision;
   const auto dev_options = torch::TensorOptions().dtype(precision.compute).device(config_.device);
@@ -619,39 +624,34 @@ bool HookOffload::grads_early() const {
 }
 
 bool HookOffload::sends_early(const Unit& unit) const {
-  // One user: the block whose backward runs now is the unit's only and last use this step. Not a
-  // later micro-batch's gradient (grad_filled), which is added on the host through staging.
-  return grads_early() && unit.users == 1 && unit.rows == 0 && unit.trainable_numel > 0 && !unit.on_device() &&
-         !unit.grad_filled;
+  // One user: the block whose backward runs now is the unit's only and last use this step (so not
+  // a tied unit). Not a later micro-batch's gradient (grad_filled), which is added on the host
+  // through staging.
+  return grads_early() && unit.users == 1 && unit.trainable_numel > 0 && !unit.on_device() && !unit.grad_filled;
 }
 
 GradientSink HookOffload::gradient_sink(int64_t block) {
-  if (!grads_early()) return {};
-  auto block_params = model().blocks()[block]->parameters();
-  struct Early {
-    Unit* unit = nullptr;
-    int64_t param = -1;
-  };
-  std::vector<Early> early(block_params.size());
-  bool any = false;
-  for (size_t i = 0; i < block_params.size(); ++i) {
-    if (!block_params[i].requires_grad()) continue;  // frozen: never sent
-    const auto p = param_index_.at(block_params[i].unsafeGetTensorImpl());
+  // None where no unit of the block sends early: its gradients are then captured, the cheaper way.
+  const auto& window = windows_[block];
+  if (std::none_of(window.begin(), window.end(), [&](int64_t u) { return sends_early(units_[u]); })) return {};
+  return [this, block](size_t i, const torch::Tensor& grad) {
+    const auto p = block_params_[block][i];
     auto& unit = units_[param_slot_[p].first];
-    if (!sends_early(unit)) continue;
-    early[i] = {&unit, p};
-    any = true;
-  }
-  if (!any) return {};
-  return [this, early = std::move(early)](size_t i, const torch::Tensor& grad) {
-    if (i < early.size() && early[i].unit) take_early(*early[i].unit, early[i].param, grad);
+    if (sends_early(unit)) take_early(unit, p, grad);
   };
 }
 
+namespace {
+/// A parameter's gradient as it goes to the host: flat, in the reduction dtype (fp32), zeros where
+/// autograd gave none (a parameter the block left unused).
+torch::Tensor travelling_gradient(const torch::Tensor& grad, const torch::Tensor& param) {
+  auto g = grad.defined() ? grad.reshape({-1}) : torch::zeros({param.numel()}, param.options().dtype(torch::kFloat));
+  return g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat);
+}
+}  // namespace
+
 void HookOffload::take_early(Unit& unit, int64_t p, const torch::Tensor& grad) {
-  // As flush_gradients would send it: flat, in the reduction dtype (fp32).
-  auto part = grad.reshape({-1});
-  if (part.scalar_type() != torch::kFloat) part = part.to(torch::kFloat);
+  auto part = travelling_gradient(grad, model().parameters()[p].tensor);
   unit.early_parts.push_back(part);
   unit.early_offsets.push_back(param_slot_[p].second);
   unit.early_part_bytes += part.nbytes();
@@ -686,35 +686,25 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
   // stream first). They are concatenated only where the device needs them as one tensor: a unit
   // of several parameters trained on the device.
   const auto& params = model().parameters();
-  std::unordered_map<const void*, torch::Tensor> grad_of;
-  auto block_params = model().blocks()[block]->parameters();
-  for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
+  const auto& index = block_params_[block];
+  auto grad_of = [&](int64_t p) {  // the block uses p: its window holds p's unit
+    return grads[static_cast<size_t>(std::find(index.begin(), index.end(), p) - index.begin())];
+  };
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing goes back, nothing to update
     if (std::any_of(unit.params.begin(), unit.params.end(), [&](int64_t p) { return sent_early_[p] != 0; })) {
       // grads_early: parts went while the backward ran. The rest (the last parts, and zeros for a
-      // parameter the block left without a gradient) go now; then the unit is whole on its way.
-      send_early_parts(unit);
-      std::vector<torch::Tensor> rest;
-      std::vector<int64_t> offsets;
+      // parameter the block left without a gradient) go now, in one transfer with those still
+      // waiting; then the unit is whole on its way.
       for (auto p : unit.params) {
         const auto& t = params[p].tensor;
         if (!t.requires_grad()) break;  // the frozen tail
         if (std::exchange(sent_early_[p], 0) != 0) continue;
-        auto g = grad_of.at(t.unsafeGetTensorImpl());
-        g = g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options().dtype(torch::kFloat));
-        rest.push_back(g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat));
-        offsets.push_back(param_slot_[p].second);
+        unit.early_parts.push_back(travelling_gradient(grad_of(p), t));
+        unit.early_offsets.push_back(param_slot_[p].second);
       }
-      if (!rest.empty()) {
-        d2h_.wait(compute_.record());
-        for (const auto& part : rest) {
-          d2h_.keep_alive(part);
-          bytes_d2h_ += part.nbytes();
-        }
-        d2h_.copy_parts(unit.host_grad, rest, offsets);
-      }
+      send_early_parts(unit);
       unit.grad_filled = true;
       --unit.pending_users;
       last_copy_ = d2h_.record();
@@ -729,9 +719,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
     for (auto p : unit.params) {
       const auto& t = params[p].tensor;
       if (!t.requires_grad()) break;  // the frozen tail
-      auto g = grad_of.at(t.unsafeGetTensorImpl());
-      g = g.defined() ? g.reshape({-1}) : torch::zeros({t.numel()}, t.options().dtype(torch::kFloat));
-      parts.push_back(g.scalar_type() == torch::kFloat ? g : g.to(torch::kFloat));
+      parts.push_back(travelling_gradient(grad_of(p), t));
     }
     if (--unit.pending_users > 0) {
       if (unit.rows > 0 && !unit.grad_filled) {

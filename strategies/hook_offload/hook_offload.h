@@ -6,11 +6,12 @@
 // a block's backward runs, in parts as autograd produces them (grads_early; or once it is done); the
 // optimizer runs on the host, and (without overlap_optimizer) fetches the windows the next forward
 // opens with (blocks 0 to prefetch, or `opening` of them) as soon as their own units are updated,
-// so that forward does not start on an idle link. A tied parameter is one host copy, loaded once per use window by reference count (in
-// a forward kept from one use to the next: carry_tied), and receives the sum of its uses'
-// gradients, added on the device as each use's backward ends and sent to the host once, after the
-// last; that fp32 sum stays on the device from the first use's backward to the last's. A matrix
-// used twice (the GPT's embedding and head; plain mode) is summed on the host instead: the first
+// so that forward does not start on an idle link. A tied parameter is one host copy, loaded once
+// per use window by reference count (in a forward kept from one use to the next: carry_tied), and
+// receives the sum of its uses' gradients, added on the device as each use's backward ends and
+// sent to the host once, after the last; that fp32 sum stays on the device from the first use's
+// backward to the last's. A matrix used twice (the GPT's embedding and head; plain mode) is summed
+// on the host instead: the first
 // use's gradient goes down as soon as it exists, hidden behind the rest of backward, and of the
 // last use's only the rows that are not all zero (the tokens the batch looked up) follow, added
 // there. What backward's end waits for is then those rows, not the whole matrix. (Only in a step's
@@ -29,7 +30,6 @@
 #include <functional>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
 
 #include "strategies/windowed.h"
 #include "strategies/device/device.h"
@@ -336,7 +336,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
-  std::unordered_map<const void*, int64_t> param_index_;  ///< a parameter's TensorImpl -> its index
+  std::vector<std::vector<int64_t>> block_params_;  ///< block -> its parameters(), as indices into model().parameters()
   std::vector<char> sent_early_;  ///< parameter -> its gradient of the running backward went (grads_early)
   std::vector<KeptGraph> kept_;  ///< block -> its own graph from forward to backward (kept activations)
   std::deque<device::Event> releases_;  ///< compute events after windows were dropped, oldest first
