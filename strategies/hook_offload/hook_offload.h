@@ -336,7 +336,11 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::vector<bool> held_;                     ///< block -> its window holds references now
   std::vector<bool> permanent_;                ///< block -> resident for good
   std::vector<std::pair<int64_t, int64_t>> param_slot_;  ///< parameter -> (unit, offset)
-  std::vector<std::vector<int64_t>> block_params_;  ///< block -> its parameters(), as indices into model().parameters()
+  /// block -> its parameters(), position by position, as indices into model().parameters(): the
+  /// order of the block's gradients and of a gradient sink's index. (model().block_parameters()
+  /// lists each parameter a block uses once, which is not that order where a block registers one
+  /// tensor twice.)
+  std::vector<std::vector<int64_t>> block_params_;
   std::vector<char> sent_early_;  ///< parameter -> its gradient of the running backward went (grads_early)
   std::vector<KeptGraph> kept_;  ///< block -> its own graph from forward to backward (kept activations)
   std::deque<device::Event> releases_;  ///< compute events after windows were dropped, oldest first
