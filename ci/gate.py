@@ -48,7 +48,16 @@ A cell that failed only on time (throughput or device time; not memory, errors o
 may be measured again, in a process of its own (ci/recheck.py; --recheck-list names such cells):
 with --recheck FILE, such a cell passes when all its time checks pass on FILE's repetitions (the
 dispatch allowance the run's; not where FILE's host class
-differs from the run's), and the gate prints both readings. --recheck-list names none where a
+differs from the run's), and the gate prints both readings. With --recheck-reference REF as well
+(the same cells run by a strata_bench built from the baseline's own commit, alternating with this
+code's processes on the run's host: ci/recheck.py --reference-bench), a cell found in both, in at
+least PAIR_MIN_PROCESSES processes a side, is gated on its ratio to the baseline's code instead:
+whatever the host's speed, it weighs on both sides of that ratio, so no dispatch allowance applies.
+It fails where that ratio is below the bar of the committed baseline's spread and its processes are
+slower than the reference's beyond chance (one-sided Mann-Whitney over the processes' medians, p <=
+PAIR_ALPHA): processes of one binary on one host differ by more than the repetitions inside one.
+That answers "code or host" on a host of any speed, where a probe of the host only predicts it
+(bench/NOTES.md, "The gate against the baseline's own code"). --recheck-list names none where a
 failure of another kind stands. Work beside a cell only slows it, and on unchanged code two cells of
 one gate run read 0.854 and 0.849 x their baseline while the same cells, run again on the same host
 minutes later in short invocations of their own, read 1.05 and 1.26 x (bench/NOTES.md, "The first gate run with the dispatch rule
@@ -56,11 +65,13 @@ armed"). A regression in the code reads slow in both.
 
   python3 ci/gate.py CURRENT.json reports/baselines/nvidia-h200.json
   python3 ci/gate.py CURRENT.json BASELINE --recheck-list CELLS.txt   # then ci/recheck.py, then:
-  python3 ci/gate.py CURRENT.json BASELINE --recheck RECHECK.json
+  python3 ci/gate.py CURRENT.json BASELINE --recheck RECHECK.json [--recheck-reference REFERENCE.json]
 """
 import argparse
 import collections
+import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -192,22 +203,26 @@ def dispatch_allowance(base_rows, now_rows, key, now_us, base_us):
 Check = collections.namedtuple("Check", "key ratio threshold reps message failed")
 
 
-def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes):
-    """One cell's time checks, as a list of Check."""
+def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes, noise_rows=None,
+                against="the baseline"):
+    """One cell's time checks, as a list of Check: `now_rows` over `base_rows`, the thresholds from
+    the spread of `noise_rows` (default `base_rows`: the committed baseline's, so that a run noisy in
+    itself cannot widen its own bar)."""
     out = []
+    noise_rows = base_rows if noise_rows is None else noise_rows
     for key, fixed in checks:
         b, n = median(base_rows, key), median(now_rows, key)
         ratio = n / b if key == "items_per_second" else b / n  # > 1 is faster either way
-        noise = spread(base_rows, key)
+        noise = spread(noise_rows, key)
         expected, sensitivity, slowdown = dispatch_allowance(base_rows, now_rows, key, now_us, base_us)
         if fixed is not None:
             threshold = fixed
             why = "a host-bound step: its host pass moves with the host's memory bandwidth"
         else:
             threshold = min(args.max_drop, max(args.min_drop, args.spread_multiple * noise))
-            why = f"baseline spread {noise:.1%} over {len(base_rows)} repetitions"
+            why = f"baseline spread {noise:.1%} over {len(noise_rows)} repetitions"
             if args.spread_multiple * noise > args.max_drop:
-                notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(base_rows)} repetitions) would "
+                notes.append(f"{name}: its baseline's spread ({noise:.1%} over {len(noise_rows)} repetitions) would "
                              f"allow a {args.spread_multiple * noise:.1%} drop; held at {args.max_drop:.0%} (record it "
                              f"with more repetitions)")
         if expected < 1.0:
@@ -219,7 +234,7 @@ def time_checks(name, base_rows, now_rows, checks, now_us, base_us, args, notes)
                          f"{sensitivity:.0%} when each operator took one probe's time longer")
             threshold = min(args.max_dispatch_drop, 1.0 - expected * (1.0 - threshold))
         what = "throughput" if key == "items_per_second" else "device time (fwd+bwd)"
-        message = f"{name}: {what} {ratio:.3f} x the baseline (allowed drop {threshold:.1%}: {why})"
+        message = f"{name}: {what} {ratio:.3f} x {against} (allowed drop {threshold:.1%}: {why})"
         out.append(Check(key, ratio, threshold, len(now_rows), message, ratio < 1.0 - threshold))
     return out
 
@@ -245,7 +260,89 @@ def second_reading(name, outcome, again, base_rows, checks, now_us, base_us, arg
     return [c._replace(reps=f"{c.reps} again") for c in second]
 
 
-def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None):
+# A cell measured beside the baseline's own code fails only where its processes are slower than the
+# reference's beyond chance at this level (one-sided Mann-Whitney over the processes' medians):
+# processes of one binary on one H200 host read up to 26% apart where repetitions within one read a
+# few % (bench/NOTES.md, "The gate against the baseline's own code"), so the repetitions' spread
+# does not say what a difference between processes means.
+PAIR_ALPHA = 0.05
+PAIR_MIN_PROCESSES = 3  # per side: with fewer, no arrangement reaches PAIR_ALPHA
+
+
+def process_values(rows, key):
+    """The median of `key` over each process's rows (counter recheck_process). Rows without it
+    count as one process: which rows shared a process is not known, and counting each as its own
+    would take the repetitions' small spread for the processes' larger one."""
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[r.get("recheck_process", 0)].append(r[key])
+    return [statistics.median(v) for v in groups.values()]
+
+
+def slower_p(code, reference, higher_is_faster):
+    """One-sided p of code's values being slower than reference's (Mann-Whitney U, exact where the
+    arrangements are few enough to count, else its normal approximation)."""
+    def u(a, b):  # pairs in which a value of `a` is the slower, ties half
+        return sum(1.0 if (x < y if higher_is_faster else x > y) else 0.5 if x == y else 0.0 for x in a for y in b)
+    observed, pooled, n = u(code, reference), code + reference, len(code)
+    if math.comb(len(pooled), n) <= 200000:
+        count = total = 0
+        for chosen in itertools.combinations(range(len(pooled)), n):
+            picked = set(chosen)
+            a = [pooled[i] for i in chosen]
+            b = [pooled[i] for i in range(len(pooled)) if i not in picked]
+            count += u(a, b) >= observed - 1e-9
+            total += 1
+        return count / total
+    m = len(reference)
+    mean, sd = n * m / 2.0, math.sqrt(n * m * (n + m + 1) / 12.0)
+    return 0.5 * math.erfc((observed - 0.5 - mean) / (sd * math.sqrt(2.0)))
+
+
+def paired_reading(name, outcome, again, reference, base_rows, checks, args, notes, label):
+    """The time checks of a cell measured again beside the baseline's own code on the run's host
+    (`reference`: that cell in the --recheck-reference file, `again`: in the --recheck file), in
+    place of `outcome`, the run's; `outcome` where either did not run. The code is gated on its
+    ratio to the baseline's code measured alternately with it: on one host, at one time, the host's
+    speed is in both. No dispatch allowance then (both paid the same dispatching), and the bar is
+    the committed baseline's spread rule, so that a noisy host cannot widen it."""
+    for side, cell in (("measured again", again), ("the baseline's code measured beside it", reference)):
+        if cell["error"] is not None or not cell["reps"]:
+            notes.append(f"{name}: {side}, it did not run ({(cell['error'] or 'no repetitions')[:120]})")
+            return None
+    processes = min(len(process_values(cell["reps"], checks[0][0])) for cell in (again, reference))
+    if processes < PAIR_MIN_PROCESSES:
+        notes.append(f"{name}: measured beside the baseline's own code in {processes} process(es) a side, fewer than "
+                     f"the {PAIR_MIN_PROCESSES} that can show a difference between processes: not paired")
+        return None
+    paired = time_checks(name, reference["reps"], again["reps"], checks, 0.0, 0.0, args, [], noise_rows=base_rows,
+                         against=f"the baseline's own code ({label}) measured beside it on this host")
+    for i, c in enumerate(paired):
+        code, ref = process_values(again["reps"], c.key), process_values(reference["reps"], c.key)
+        p = slower_p(code, ref, c.key == "items_per_second")
+        shown = f"its {len(code)} processes against that code's {len(ref)}: p = {p:.3f} that they are slower"
+        if c.failed and p > PAIR_ALPHA:
+            notes.append(f"{name}: {c.key} {c.ratio:.3f} x the baseline's code measured beside it, below its bar "
+                         f"({c.threshold:.1%}), but not beyond the processes' own spread ({shown}; the gate's level "
+                         f"{PAIR_ALPHA:g}): not counted as slower at this resolution")
+        paired[i] = c._replace(failed=c.failed and p <= PAIR_ALPHA, message=f"{c.message}; {shown}")
+    first = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in outcome)
+    then = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in paired)
+    record = ", ".join(f"{key} {ratio:.3f} x" for key, ratio in
+                       ((k, (median(reference["reps"], k) / median(base_rows, k)) if k == "items_per_second"
+                         else (median(base_rows, k) / median(reference["reps"], k))) for k, _ in checks))
+    if any(c.failed for c in paired):
+        notes.append(f"{name}: measured again beside the baseline's own code ({label}) on this host, it is slower "
+                     f"than that code ({then}; in the run {first} the baseline): the code, not the host")
+    else:
+        notes.append(f"{name}: failed on time in the run ({first} the baseline); measured again beside the "
+                     f"baseline's own code ({label}) on this host it ran at {then} that code, which itself read "
+                     f"{record} its recorded figures here: the host, not the code; the paired reading is gated")
+    return [c._replace(reps=f"{c.reps} paired") for c in paired]
+
+
+def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None,
+            reference_cells=None, reference_ctx=None):
     """(failures, notes, table, same host class, cells that failed on time and on nothing else)."""
     failures, notes, table = [], [], []
     time_failed, other_failed = set(), set()  # cells; other_failed: any failure but on time
@@ -256,6 +353,12 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
     # A second reading is taken on the run's host (ci/gpu.sh measures it in the same job); one from
     # a host of another class than the run's is not used.
     again_same_host = same_host_class(recheck_ctx or {}, now_ctx) if recheck_cells else True
+    label = (reference_ctx or {}).get("strata_reference") or "its commit"
+    # The pair ran alternately in one job: the CPU model must match, not the triads, which moved
+    # from 64.6 to 81.1 GB/s between two processes on one H200 host minutes apart (bench/NOTES.md,
+    # "The gate against the baseline's own code").
+    pair_same_host = (reference_cells is not None and recheck_cells is not None
+                      and (reference_ctx or {}).get("host_cpu", "unknown") == (recheck_ctx or {}).get("host_cpu", "?"))
     for name, base in sorted(base_cells.items()):
         now = now_cells.get(name)
         if base["error"] is not None and not is_oom(base["error"]):
@@ -312,8 +415,23 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
         outcome = time_checks(name, base["reps"], now["reps"], checks, now_us, base_us, args, notes)
         again = (recheck_cells or {}).get(name)
         if again is not None and any(c.failed for c in outcome):
+            reference = (reference_cells or {}).get(name)
+            paired = None
             if own:
                 notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
+            elif reference is not None and pair_same_host:
+                paired = paired_reading(name, outcome, again, reference, base["reps"], checks, args, notes, label)
+            elif reference is not None:
+                notes.append(f"{name}: the baseline's own code was measured beside it on another CPU "
+                             f"({reference_ctx.get('host_cpu', 'unknown')} against {recheck_ctx.get('host_cpu', 'unknown')}): "
+                             f"not paired")
+            elif reference_cells is not None:
+                notes.append(f"{name}: the baseline's own code was not measured beside it; the second reading "
+                             f"alone is gated")
+            if paired is not None:
+                outcome = paired
+            elif own:
+                pass
             elif not again_same_host:
                 notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's")
             else:
@@ -364,6 +482,10 @@ def main(argv=None):
     ap.add_argument("--recheck", metavar="FILE",
                     help="a strata_bench JSON of cells measured again (ci/recheck.py): a cell that failed on time alone "
                          "passes if its time checks pass on this file's repetitions")
+    ap.add_argument("--recheck-reference", metavar="FILE",
+                    help="with --recheck: the same cells run by a strata_bench built from the baseline's commit, "
+                         "alternating with this code on the run's host (ci/recheck.py --reference-bench); a cell "
+                         "found in both is gated on its ratio to that code instead")
     ap.add_argument("--recheck-list", metavar="PATH",
                     help="write the cells that failed on time and on nothing else, one a line; empty if none, or if "
                          "any other failure stands (the gate fails then whatever a second reading says)")
@@ -371,8 +493,11 @@ def main(argv=None):
     now_cells, now_ctx = load(args.current)
     base_cells, base_ctx = load(args.baseline)
     recheck_cells, recheck_ctx = load(args.recheck) if args.recheck else (None, None)
+    if args.recheck_reference and not args.recheck:
+        ap.error("--recheck-reference goes with --recheck")
+    reference_cells, reference_ctx = load(args.recheck_reference) if args.recheck_reference else (None, None)
     failures, notes, table, same_host, time_only = compare(now_cells, now_ctx, base_cells, base_ctx, args,
-                                                           recheck_cells, recheck_ctx)
+                                                           recheck_cells, recheck_ctx, reference_cells, reference_ctx)
     if args.recheck_list:
         with open(args.recheck_list, "w") as f:
             f.writelines(name + "\n" for name in time_only)

@@ -25,6 +25,13 @@
 # default gpt-medium; empty for none), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
 # STRATA_RECHECK_CELLS (cells that failed the gate on time alone measured again, each by itself, and
 # gated on that reading, at most this many; default 8, 0 for none),
+# STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
+# baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
+# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_REFERENCE_SRC (a folder holding the sources of the baseline's commit,
+# for a machine without the repository's history, e.g. from `git archive COMMIT`; default: that
+# commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
+# commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
+# -dirty where tracked files differ from it),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
@@ -245,6 +252,18 @@ bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf
 # What the gate reads: the fp32 cells and the bf16 ones (the reports keep them apart, each beside
 # its own peers).
 { cp "$outdir/bench.json" "$outdir/bench-gated.json" && merge_into "$outdir/bench-gated.json" "$outdir/bench-bf16.json"; } || status=1
+# The commit of the code measured, so that bench-gated.json, once committed as a baseline, names
+# the code a later run can build and measure beside its own (ci/recheck.py --reference-bench).
+commit=${STRATA_COMMIT:-}
+if [ -z "$commit" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
+  git diff --quiet HEAD -- 2>/dev/null || commit+="-dirty"
+fi
+python3 - "$outdir/bench-gated.json" "${commit:-unknown}" <<'PY' || status=1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc.setdefault("context", {})["strata_commit"] = sys.argv[2]
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
 PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
   --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
 more_peers_into "$outdir/peers-bf16.json" --precision=bf16
@@ -256,6 +275,49 @@ python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outd
 # The gate: against the committed baseline for this machine. A machine without one fails the job
 # unless STRATA_ALLOW_NO_BASELINE=1, and then the report says the run was not gated.
 baseline="reports/baselines/$gpu_key.json"
+# reference_bench: sets ref_bin to a strata_bench built from the baseline's own commit (and
+# ref_label to what it is), or leaves them empty and says why. Its sources: STRATA_REFERENCE_SRC,
+# else the commit the baseline's context names, from git, unpacked under build/reference/. Only
+# strata_bench is built, into the sources' own build/cuda, its log in OUTDIR/reference-build.log.
+ref_bin="" ref_label=""
+reference_bench() {
+  local src=${STRATA_REFERENCE_SRC:-} commit t0
+  if [ "${STRATA_REFERENCE:-1}" = 0 ]; then
+    echo "ci/gpu.sh: STRATA_REFERENCE=0: the baseline's code is not measured beside them"; return 0
+  fi
+  commit=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"].get("strata_commit", ""))' \
+    "$baseline" 2>/dev/null || true)
+  if [ -n "$src" ]; then
+    ref_label="${commit:-its commit unnamed}, sources from $src"
+  elif [ -z "$commit" ] || [ "${commit%-dirty}" != "$commit" ] || [ "$commit" = unknown ]; then
+    echo "ci/gpu.sh: $baseline names no clean commit (context strata_commit '${commit}'): the baseline's code is not measured beside them"
+    return 0
+  elif ! git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1 \
+      && ! { git fetch -q --depth=1 origin "$commit" > /dev/null 2>&1 \
+             && git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1; }; then  # a shallow clone fetches it
+    echo "ci/gpu.sh: the baseline's commit $commit is not in a git history here (STRATA_REFERENCE_SRC gives its sources): the baseline's code is not measured beside them"
+    return 0
+  else
+    src=build/reference/$commit ref_label=$commit
+    if [ ! -f "$src/CMakeLists.txt" ]; then
+      rm -rf "$src" && mkdir -p "$src" && git archive "$commit" | tar -x -C "$src" \
+        || { echo "ci/gpu.sh: could not unpack $commit into $src"; return 0; }
+    fi
+  fi
+  [ -f "$src/CMakeLists.txt" ] || { echo "ci/gpu.sh: $src holds no CMakeLists.txt: not the baseline's sources"; return 0; }
+  src=$(realpath "$src")
+  echo "ci/gpu.sh: building the baseline's strata_bench ($ref_label)"
+  t0=$(date +%s)
+  if ! (cd "$src" && cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" --target strata_bench) \
+      > "$outdir/reference-build.log" 2>&1; then
+    tail -n 20 "$outdir/reference-build.log"
+    echo "ci/gpu.sh: the baseline's code did not build (reference-build.log): not measured beside them"; return 0
+  fi
+  [ -x "$src/build/cuda/bench/strata_bench" ] \
+    || { echo "ci/gpu.sh: no $src/build/cuda/bench/strata_bench after its build"; return 0; }
+  echo "ci/gpu.sh: built in $(( $(date +%s) - t0 )) s"
+  ref_bin=$src/build/cuda/bench/strata_bench
+}
 note=""
 if [ -f "$baseline" ]; then
   rm -f "$outdir"/gate-first.txt "$outdir"/recheck*
@@ -267,12 +329,21 @@ if [ -f "$baseline" ]; then
     if [ -s "$outdir/recheck-cells.txt" ] && [ "${STRATA_RECHECK_CELLS:-8}" -gt 0 ]; then
       echo "ci/gpu.sh: the cells that failed on time alone, measured again one by one"
       mv "$outdir/gate.txt" "$outdir/gate-first.txt"
+      # Beside the baseline's own code where it can be built here: the two alternate on each cell,
+      # and the gate takes the code's ratio to it (ci/gate.py --recheck-reference).
+      [ "$(wc -l < "$outdir/recheck-cells.txt")" -le "${STRATA_RECHECK_CELLS:-8}" ] && reference_bench
+      ref_args=() gate_ref=()
+      if [ -n "$ref_bin" ]; then
+        ref_args=(--reference-bench "$ref_bin" --reference-out "$outdir/recheck-reference.json" --reference-label "$ref_label"
+                  --rounds "${STRATA_RECHECK_ROUNDS:-4}")
+        gate_ref=(--recheck-reference "$outdir/recheck-reference.json")
+      fi
       python3 ci/recheck.py --cells "$outdir/recheck-cells.txt" --out "$outdir/recheck.json" \
-        --max-cells "${STRATA_RECHECK_CELLS:-8}" -- ./build/cuda/bench/strata_bench --device=cuda:0 \
+        --max-cells "${STRATA_RECHECK_CELLS:-8}" ${ref_args[@]+"${ref_args[@]}"} -- ./build/cuda/bench/strata_bench --device=cuda:0 \
         --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} || true  # a cell not measured again keeps its failure
       if [ -f "$outdir/recheck.json" ]; then
-        { echo "The gate's first output is in gate-first.txt; cells marked 'again' below were gated on a second reading."
-          python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck "$outdir/recheck.json"; } \
+        { echo "The gate's first output is in gate-first.txt; cells marked 'again' below were gated on a second reading, 'paired' on their ratio to the baseline's own code measured beside them."
+          python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck "$outdir/recheck.json" ${gate_ref[@]+"${gate_ref[@]}"}; } \
           | tee "$outdir/gate.txt" || status=1
       else
         cp "$outdir/gate-first.txt" "$outdir/gate.txt"

@@ -8,11 +8,22 @@ options include precision=P), so the same cell can be run by itself. A cell run 
   python3 ci/recheck.py --cells CELLS.txt --out RECHECK.json -- build/cuda/bench/strata_bench \\
       --device=cuda:0 --benchmark_repetitions=5
 
+With --reference-bench, a strata_bench built from the baseline's own commit, each cell is also
+run by that binary on the same host, the two alternating over --rounds processes each (reference
+then this code, then this code then reference: a host that drifts during the pair weighs on both
+alike), and the reference's rows go to --reference-out for the gate's --recheck-reference. The
+gate then compares the code with the baseline's code on one host at one time, which no probe of
+the host's speed can (bench/NOTES.md, "The gate against the baseline's own code"). Every row is
+tagged with its process (counter recheck_process, 1 up, per side): processes of one binary on one
+host differ by more than the repetitions within one, so the gate compares processes. The default of
+4 rounds is the fewest whose processes can show a slowdown at the gate's 5% (3 just can).
+
 Everything after -- is the strata_bench command, to which each cell's own arguments and its
---benchmark_out are added. Exit 0 when every listed cell ran (whether it is now fast enough is the
-gate's to say), 1 when a cell could not be run or more cells are listed than --max-cells (a
-slowdown that broad is not re-measured: the first reading stands), 2 on bad arguments. The
-JSON is written whatever the exit status (with no cells where none ran).
+--benchmark_out are added (the reference gets the same arguments). Exit 0 when every listed cell
+ran (whether it is now fast enough is the gate's to say), 1 when a cell could not be run or more
+cells are listed than --max-cells (a slowdown that broad is not re-measured: the first reading
+stands), 2 on bad arguments. The JSON is written whatever the exit status (with no cells where
+none ran).
 """
 import argparse
 import json
@@ -62,6 +73,33 @@ def cell_arguments(name):
     return args
 
 
+def run_cell(command, name, cell_args, out, log, tag):
+    """One strata_bench process of the cell: (its iteration rows or None, its context, whether the
+    process exited 0 and its rows were found), the reason printed where not."""
+    t0 = time.time()
+    print(f"recheck.py: {tag} {name}: {' '.join(cell_args)}", flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.call(command + cell_args + [f"--benchmark_out={out}", "--benchmark_out_format=json"],
+                             stdout=f, stderr=subprocess.STDOUT)
+    ran = os.path.exists(out)
+    print(f"recheck.py: {tag} {name}: exit {rc} after {time.time() - t0:.0f} s"
+          f"{'' if ran else ', no JSON written'} (log {log})", flush=True)
+    if not ran:
+        return None, None, False
+    try:
+        with open(out) as f:
+            doc = json.load(f)
+    except ValueError as e:  # a process that died while writing it
+        print(f"recheck.py: {tag} {name}: its JSON is unreadable ({e}); it keeps its failure")
+        return None, None, False
+    found = [b for b in doc.get("benchmarks", []) if b["name"].split("/iterations")[0] == name]
+    if not found:
+        print(f"recheck.py: {tag} {name}: the run named no such cell "
+              f"({sorted({b['name'].split('/iterations')[0] for b in doc.get('benchmarks', [])})})")
+        return None, None, False
+    return found, doc.get("context", {}), rc == 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
@@ -73,10 +111,27 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="the JSON to write: every cell that ran, as one strata_bench file")
     ap.add_argument("--max-cells", type=int, default=8,
                     help="measure none when more cells are listed (default 8; 0: never measure again)")
+    ap.add_argument("--reference-bench", metavar="PATH",
+                    help="strata_bench built from the baseline's commit, run beside the command on each cell")
+    ap.add_argument("--reference-out", metavar="PATH", help="the JSON of the reference's rows (with --reference-bench)")
+    ap.add_argument("--reference-label", default="",
+                    help="what the reference is (its commit), kept in --reference-out's context")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="processes of each cell per binary (default 4 with --reference-bench, else 1)")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command:
         print("recheck.py: no strata_bench command after --", file=sys.stderr)
+        return 2
+    if bool(args.reference_bench) != bool(args.reference_out):
+        print("recheck.py: --reference-bench and --reference-out go together", file=sys.stderr)
+        return 2
+    rounds = args.rounds if args.rounds is not None else (4 if args.reference_bench else 1)
+    if rounds < 1:
+        print(f"recheck.py: --rounds={rounds}: at least 1", file=sys.stderr)
+        return 2
+    if args.reference_bench and not os.access(args.reference_bench, os.X_OK):
+        print(f"recheck.py: --reference-bench={args.reference_bench}: not an executable file", file=sys.stderr)
         return 2
     try:
         with open(args.cells) as f:
@@ -84,8 +139,14 @@ def main(argv=None):
     except OSError as e:
         print(f"recheck.py: --cells={args.cells}: {e.strerror}", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    merged, status = None, 0
+    outs = [args.out] + ([args.reference_out] if args.reference_out else [])
+    for path in outs:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # (command, merged file) for this code and, with --reference-bench, the baseline's code.
+    sides = {"this code": [command, None]}
+    if args.reference_bench:  # first in a cell's first round
+        sides = {"reference": [[args.reference_bench] + command[1:], None], **sides}
+    status = 0
     if not cells:
         print("recheck.py: no cells listed; nothing to measure again")
     elif len(cells) > args.max_cells:
@@ -100,38 +161,32 @@ def main(argv=None):
                 print(f"recheck.py: [{i}/{len(cells)}] {e}; it keeps its failure")
                 status = 1
                 continue
-            out = os.path.join(tmp, f"cell-{i}.json")
-            log = os.path.splitext(args.out)[0] + f"-{i}.txt"
-            t0 = time.time()
-            print(f"recheck.py: [{i}/{len(cells)}] {name}: {' '.join(cell_args)}", flush=True)
-            with open(log, "w") as f:
-                rc = subprocess.call(command + cell_args + [f"--benchmark_out={out}", "--benchmark_out_format=json"],
-                                     stdout=f, stderr=subprocess.STDOUT)
-            ran = os.path.exists(out)
-            print(f"recheck.py: [{i}/{len(cells)}] {name}: exit {rc} after {time.time() - t0:.0f} s"
-                  f"{'' if ran else ', no JSON written'} (log {log})", flush=True)
-            if rc != 0 or not ran:
-                status = 1
-            if not ran:
-                continue
-            try:
-                with open(out) as f:
-                    doc = json.load(f)
-            except ValueError as e:  # a process that died while writing it
-                print(f"recheck.py: [{i}/{len(cells)}] {name}: its JSON is unreadable ({e}); it keeps its failure")
-                status = 1
-                continue
-            found = [b for b in doc.get("benchmarks", []) if b["name"].split("/iterations")[0] == name]
-            if not found:
-                print(f"recheck.py: [{i}/{len(cells)}] {name}: the run named no such cell "
-                      f"({sorted({b['name'].split('/iterations')[0] for b in doc.get('benchmarks', [])})})")
-                status = 1
-                continue
-            if merged is None:
-                merged = {"context": doc.get("context", {}), "benchmarks": []}
-            merged["benchmarks"] += found
-    with open(args.out, "w") as f:
-        json.dump(merged or {"context": {}, "benchmarks": []}, f, indent=1)
+            for r in range(rounds):
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    which = "" if side == "this code" else "-reference"
+                    suffix = f"-{i}{which}" + (f"-{r + 1}" if rounds > 1 else "")
+                    tag = f"[{i}/{len(cells)}]"
+                    if len(sides) > 1 or rounds > 1:
+                        tag += f" round {r + 1}/{rounds}, {side}:"
+                    rows, context, ok = run_cell(sides[side][0], name, cell_args,
+                                                 os.path.join(tmp, f"cell{suffix}.json"),
+                                                 os.path.splitext(args.out)[0] + f"{suffix}.txt", tag)
+                    if not ok:
+                        status = 1
+                    if rows is None:
+                        continue
+                    if sides[side][1] is None:
+                        sides[side][1] = {"context": context, "benchmarks": []}
+                    for row in rows:
+                        row["recheck_process"] = r + 1
+                    sides[side][1]["benchmarks"] += rows
+    for side, path in zip(("this code", "reference"), outs):
+        doc = sides[side][1] or {"context": {}, "benchmarks": []}
+        if side == "reference":
+            doc["context"]["strata_reference"] = args.reference_label or args.reference_bench
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
     return status
 
 

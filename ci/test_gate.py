@@ -19,7 +19,7 @@ import gate  # noqa: E402
 
 
 def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5, behind=0.0, dispatch=None,
-         probe=None):
+         probe=None, process=None):
     """n repetitions of a cell around `ips` items/s, spread evenly over +-spread/2."""
     rows = []
     for i in range(n):
@@ -33,6 +33,8 @@ def reps(name, ips, spread=0.0, fwd_bwd_ms=100.0, peaks=None, host_bound=0, n=5,
                 dispatch if isinstance(dispatch, tuple) else (dispatch, dispatch))
         if probe is not None:  # the dispatch probe, as measured when the cell started
             r["host_dispatch_us"] = probe
+        if process is not None:  # which process of its side measured it again (ci/recheck.py)
+            r["recheck_process"] = process
         r.update(peaks or {})
         rows.append(r)
     # The aggregates Google Benchmark appends must be ignored.
@@ -47,26 +49,34 @@ def errored(name, message):
 
 
 def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0, dispatch_now=0.0,
-        dispatch_base=0.0, recheck=None, listed=None, dispatch_again=None, triad_again=None):
-    """gate.main on the two runs (and `recheck`, the cells measured again, if given): (exit status,
-    output). `listed`, a list, receives the cells --recheck-list names."""
+        dispatch_base=0.0, recheck=None, listed=None, dispatch_again=None, triad_again=None, reference=None):
+    """gate.main on the two runs (and `recheck`, the cells measured again, and `reference`, the
+    baseline's code measured beside them, if given): (exit status, output). `listed`, a list,
+    receives the cells --recheck-list names."""
     with tempfile.TemporaryDirectory() as d:
         paths = []
         runs = [(current, host_now, triad_now, dispatch_now, "now"), (baseline, host_base, triad_base, dispatch_base, "base")]
         if recheck is not None:  # measured on the run's host unless told otherwise
             runs.append((recheck, host_now, triad_now if triad_again is None else triad_again,
                          dispatch_now if dispatch_again is None else dispatch_again, "again"))
+        if reference is not None:  # beside the second reading, on its host
+            runs.append((reference, host_now, triad_now if triad_again is None else triad_again,
+                         dispatch_now if dispatch_again is None else dispatch_again, "reference"))
         for rows, host, triad, us, tag in runs:
             p = os.path.join(d, tag + ".json")
             context = {"host_cpu": host, "host_triad_GBps": str(triad)}
             if us > 0:
                 context["host_dispatch_us"] = str(us)
+            if tag == "reference":
+                context["strata_reference"] = "abc1234"
             with open(p, "w") as f:
                 json.dump({"context": context, "benchmarks": rows}, f)
             paths.append(p)
         argv = paths[:2] + ["--no-compare", "--recheck-list", os.path.join(d, "cells.txt")]
         if recheck is not None:
             argv += ["--recheck", paths[2]]
+        if reference is not None:
+            argv += ["--recheck-reference", paths[-1]]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             status = gate.main(argv)
@@ -417,6 +427,130 @@ def a_second_readings_slower_probe_does_not_lower_the_bar():
     status, out = run(launch_bound(800), launch_bound(1000), dispatch_now=5.0, dispatch_base=5.0,
                       recheck=launch_bound(800), dispatch_again=8.0)
     expect(status, out, 1, "it failed again (items_per_second 0.800 x")
+
+
+def each_its_own(rows):
+    """Rows tagged as if each came from a process of its own (ci/recheck.py tags them)."""
+    return [dict(r, recheck_process=i + 1) if r.get("run_type") == "iteration" else r for i, r in enumerate(rows)]
+
+
+@case
+def a_cell_measured_beside_the_baselines_own_code_is_gated_on_that_ratio():
+    # A launch-bound cell on a host that dispatches slowly: 0.65 x its baseline in the run and 0.655
+    # measured again; the baseline's own code beside it on that host reads 0.66 x its own record.
+    # Nothing explains 0.65 from the record alone; the code's ratio to its baseline's code does.
+    base, now = reps("l/m", 1000, 0.02), reps("l/m", 650, 0.02)
+    expect(*run(now, base, recheck=each_its_own(reps("l/m", 655, 0.02))), 1, "it failed again")
+    status, out = run(now, base, recheck=each_its_own(reps("l/m", 655, 0.02, n=10)),
+                      reference=each_its_own(reps("l/m", 660, 0.02, n=10)))
+    expect(status, out, 0, "the host, not the code; the paired reading is gated")
+    assert "ran at items_per_second 0.992 x that code, which itself read items_per_second 0.660 x" in out, out
+    assert "10 paired/5" in out and "(abc1234)" in out, out
+    # A slowdown of the code reads slow against its baseline's code on any host: on a faster host
+    # the second reading alone (1.05 x the record) would pass, the ratio to the baseline's code
+    # measured beside it (1.05 / 1.30) does not.
+    status, out = run(now, base, recheck=each_its_own(reps("l/m", 1050, 0.02)),
+                      reference=each_its_own(reps("l/m", 1300, 0.02)))
+    expect(status, out, 1, "l/m: throughput 0.808 x the baseline's own code (abc1234) measured beside it")
+    assert "it is slower than that code (items_per_second 0.808 x" in out and "the code, not the host" in out, out
+    assert "5 paired/5" in out, out
+    # The bar is the committed baseline's spread, not the noisier pair's: 0.93, every reading below
+    # every one of the baseline's code (950-1050), fails a 6% bar.
+    status, out = run(now, base, recheck=each_its_own(reps("l/m", 930, 0.02)),
+                      reference=each_its_own(reps("l/m", 1000, 0.1)))
+    expect(status, out, 1, "allowed drop 6.0%: baseline spread 2.0% over 5 repetitions")
+
+
+def processes(name, values, host_bound=0, fwd_bwd=False):
+    """Two repetitions from each of len(values) processes, around each value (items/s, or the
+    forward+backward ms where fwd_bwd)."""
+    rows = []
+    for k, v in enumerate(values, 1):
+        kw = dict(fwd_bwd_ms=v) if fwd_bwd else {}
+        rows += reps(name, 1000 if fwd_bwd else v, 0.01, n=2, process=k, host_bound=host_bound, **kw)[:-1]
+    return rows
+
+
+@case
+def a_pair_fails_only_where_the_processes_say_slower_beyond_their_own_spread():
+    base, now = reps("l/m", 1000, 0.02), reps("l/m", 650, 0.02)
+    # Processes as far apart as unchanged code's on one H200 host (159-214k items/s, bench/NOTES.md):
+    # 0.902 x by the medians, below a 6% bar, but the processes interleaved: not a slowdown the pair
+    # can show.
+    status, out = run(now, base, recheck=processes("l/m", [160, 180, 190, 215]),
+                      reference=processes("l/m", [170, 200, 210, 220]))
+    assert "0.902" in out, out
+    expect(status, out, 0, "not beyond the processes' own spread (its 4 processes against that code's 4: p = ")
+    # 8% slower in every process: each below each of the baseline's code, p = 1/70.
+    status, out = run(now, base, recheck=processes("l/m", [183, 180, 186, 184]),
+                      reference=processes("l/m", [200, 198, 203, 201]))
+    expect(status, out, 1, "its 4 processes against that code's 4: p = 0.014 that they are slower")
+    assert "the code, not the host" in out, out
+    # Device time, where more is slower: the same.
+    hb = dict(host_bound=1, fwd_bwd=True)
+    basehb, nowhb = reps("h/m", 1000, fwd_bwd_ms=26.0, host_bound=1), reps("h/m", 1000, fwd_bwd_ms=29.0, host_bound=1)
+    status, out = run(nowhb, basehb, recheck=processes("h/m", [28.4, 28.9, 28.2, 29.1], **hb),
+                      reference=processes("h/m", [26.1, 26.4, 25.9, 26.6], **hb), host_now="cpu-b")
+    expect(status, out, 1, "device time (fwd+bwd) 0.916 x the baseline's own code")
+    status, out = run(nowhb, basehb, recheck=processes("h/m", [25.1, 27.0, 28.1, 25.3], **hb),
+                      reference=processes("h/m", [26.6, 25.6, 25.6, 25.7], **hb), host_now="cpu-b")
+    expect(status, out, 0, "gate: PASS")
+    # Rows that do not say their process (a file from before ci/recheck.py tagged them) are one
+    # process: not paired.
+    status, out = run(now, base, recheck=reps("l/m", 880, 0.02), reference=reps("l/m", 1000, 0.02))
+    expect(status, out, 1, "in 1 process(es) a side")
+    # Two processes a side can never show it (p >= 1/6): not paired; the second reading decides.
+    status, out = run(now, base, recheck=processes("l/m", [650, 655]), reference=processes("l/m", [660, 662]))
+    expect(status, out, 1, "in 2 process(es) a side, fewer than the 3 that can show a difference")
+    assert "it failed again" in out, out
+
+
+@case
+def the_rank_test_counts_arrangements_as_it_should():
+    # Complete separation of 4 and 4: 1 arrangement in C(8, 4) = 70; 3 and 3: 1 in 20.
+    assert abs(gate.slower_p([1, 2, 3, 4], [5, 6, 7, 8], True) - 1 / 70) < 1e-12
+    assert abs(gate.slower_p([5, 6, 7], [1, 2, 3], False) - 1 / 20) < 1e-12
+    assert gate.slower_p([5, 6, 7, 8], [1, 2, 3, 4], True) == 1.0  # faster in every process
+    # Identical readings: every arrangement ties, p = 1.
+    assert gate.slower_p([3, 3, 3], [3, 3, 3], True) == 1.0
+    # Beyond counting (C(40, 20)): the normal approximation, small for a shifted set, near 1/2 for
+    # interleaved ones.
+    assert gate.slower_p(list(range(20)), list(range(10, 30)), True) < 0.001
+    assert 0.3 < gate.slower_p(list(range(0, 40, 2)), list(range(1, 41, 2)), True) < 0.7
+
+
+@case
+def without_the_baselines_code_beside_it_the_second_reading_alone_decides():
+    base, now = reps("a/m", 1000, 0.02), reps("a/m", 850, 0.02)
+    # The reference file lacks the cell (its code could not run it), or its run errored.
+    status, out = run(now, base, recheck=reps("a/m", 1050, 0.02), reference=reps("z/m", 1000))
+    expect(status, out, 0, "a/m: the baseline's own code was not measured beside it")
+    assert "passed when measured again in a process of its own" in out, out
+    status, out = run(now, base, recheck=reps("a/m", 880, 0.02), reference=errored("a/m", "error: boom"))
+    expect(status, out, 1, "the baseline's code measured beside it, it did not run (error: boom")
+    assert "it failed again" in out, out
+    # A cell that passed in the run keeps its first reading whatever the pair says.
+    ok = reps("b/m", 1000, 0.02)
+    status, out = run(ok, ok, recheck=reps("b/m", 500, 0.02), reference=reps("b/m", 1000, 0.02))
+    expect(status, out, 0, "gate: PASS")
+    assert "paired" not in out, out
+
+
+@case
+def a_reference_without_a_second_reading_is_refused():
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "r.json")
+        with open(p, "w") as f:
+            json.dump({"context": {}, "benchmarks": reps("a/m", 1000)}, f)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                gate.main([p, p, "--no-compare", "--recheck-reference", p])
+            except SystemExit as e:
+                assert e.code == 2, e.code
+            else:
+                raise AssertionError("--recheck-reference without --recheck was accepted")
+        assert "--recheck-reference goes with --recheck" in err.getvalue(), err.getvalue()
 
 
 def run_cases(cases, what):

@@ -58,6 +58,19 @@ if [ "\$1" = bench/peers.py ]; then
 fi
 exec $python "\$@"
 EOF
+# cell_rows.py OUT STRATEGY MODEL PRECISION FACTOR: the committed run's rows of one cell, its
+# throughput times FACTOR, as a cell measured again writes them.
+cat > "$work/cell_rows.py" <<EOF
+import json, sys
+out, strategy, model, prec, factor = sys.argv[1:]
+src = "$work/h200/bench.json" if prec == "fp32" else "$work/h200-bf16/bench.json"
+name = strategy + ("" if prec == "fp32" else f"[precision={prec}]") + "/" + model
+doc = json.load(open(src))
+doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"].split("/iterations")[0] == name]
+for b in doc["benchmarks"]:
+    b["items_per_second"] *= float(factor)
+json.dump(doc, open(out, "w"))
+EOF
 cat > "$work/repo/build/cuda/bench/strata_bench" <<EOF
 #!/bin/sh
 out=""; prec=fp32; opts=""; models=""; strategies=""
@@ -67,18 +80,8 @@ if [ -n "\$models" ] && [ -z "\$opts" ] && [ "\${strategies#*,}" = "\$strategies
   # One cell measured again (ci/recheck.py): the committed run's rows of it, 1.3 x as fast (as
   # slow as before with STUB_SLOW_AGAIN).
   echo "strata_bench \$prec recheck \$strategies/\$models" >> "$work/calls"
-  src=$work/h200/bench.json; [ \$prec = bf16 ] && src=$work/h200-bf16/bench.json
-  exec $python - "\$src" "\$out" "\$strategies" "\$models" "\$prec" <<'PY'
-import json, os, sys
-src, out, strategy, model, prec = sys.argv[1:]
-name = strategy + ("" if prec == "fp32" else f"[precision={prec}]") + "/" + model
-doc = json.load(open(src))
-doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"].split("/iterations")[0] == name]
-for b in doc["benchmarks"]:
-    if not os.environ.get("STUB_SLOW_AGAIN"):
-        b["items_per_second"] *= 1.3
-json.dump(doc, open(out, "w"))
-PY
+  factor=1.3; [ -n "\${STUB_SLOW_AGAIN:-}" ] && factor=1
+  exec $python "$work/cell_rows.py" "\$out" "\$strategies" "\$models" "\$prec" "\$factor"
 fi
 if [ -n "\$opts" ]; then  # a cell with options beyond the defaults: one made-up row
   echo "strata_bench \$prec options" >> "$work/calls"
@@ -102,7 +105,7 @@ job matrix || { cat "$work/log"; fail "the matrix phase exited non-zero"; }
   || fail "the matrix phase ran: $(tr '\n' ',' < "$work/calls")"
 [ ! -e "$out/bench-bf16.json" ] || fail "the matrix phase ran the bf16 cells"
 
-job bench || { cat "$work/log"; fail "the bench phase exited non-zero"; }
+STRATA_COMMIT=abc1234 job bench || { cat "$work/log"; fail "the bench phase exited non-zero"; }
 grep -q "from an earlier matrix phase" "$work/log" || fail "the bench phase did not say it reused the matrix"
 [ "$(cat "$work/calls")" = "$(printf 'strata_bench bf16\npeers bf16 gpt-871m\npeers bf16 gpt-medium\npeers bf16 gpt-871m pp')" ] \
   || fail "the bench phase after a matrix phase ran: $(tr '\n' ',' < "$work/calls")"
@@ -128,6 +131,8 @@ import json, sys
 out = sys.argv[1]
 gated = [b["name"] for b in json.load(open(f"{out}/bench-gated.json"))["benchmarks"]]
 assert any("precision=bf16" in n for n in gated) and any("precision" not in n for n in gated), "bench-gated.json"
+commit = json.load(open(f"{out}/bench-gated.json"))["context"].get("strata_commit")
+assert commit == "abc1234", f"bench-gated.json names the commit {commit}"
 for f in ("peers.json", "peers-bf16.json"):
     names = [b["name"] for b in json.load(open(f"{out}/{f}"))["benchmarks"]]
     assert any(n.endswith("/gpt-medium") for n in names) and any(n.endswith("/gpt-871m") for n in names), f
@@ -193,6 +198,55 @@ grep -q "baseline/gpt-medium: failed on time in the run" "$out/gate.txt" && grep
   || fail "the gate did not take the second reading"
 STUB_SLOW_AGAIN=1 job bench && fail "a run whose slow cell was slow again exited 0"
 grep -q "it failed again" "$out/gate.txt" || fail "the gate did not say the cell failed again"
+grep -q "names no clean commit" "$work/log" || fail "a baseline naming no commit did not say why nothing ran beside the cell"
+# Beside the baseline's own code (STRATA_REFERENCE_SRC: a stand-in built there, whose readings are
+# the committed run's times STUB_REF_FACTOR): a cell slow again, but as slow as the baseline's code
+# on this host, passes; one slower than the baseline's code fails, however it was read alone.
+mkdir -p "$work/ref/build/cuda/bench"
+touch "$work/ref/CMakeLists.txt"
+cat > "$work/ref/build/cuda/bench/strata_bench" <<EOF
+#!/bin/sh
+out=""; prec=fp32; models=""; strategies=""
+for a in "\$@"; do case \$a in --benchmark_out=*) out=\${a#--benchmark_out=};; --precision=*) prec=\${a#--precision=};;
+  --models=*) models=\${a#--models=};; --strategies=*) strategies=\${a#--strategies=};; esac; done
+echo "reference recheck \$strategies/\$models" >> "$work/calls"
+exec $python "$work/cell_rows.py" "\$out" "\$strategies" "\$models" "\$prec" "\${STUB_REF_FACTOR:-1}"
+EOF
+chmod +x "$work/ref/build/cuda/bench/strata_bench"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job bench \
+  || { cat "$work/log"; fail "a cell as slow as the baseline's own code beside it failed"; }
+[ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] \
+  && [ "$(grep -c "^strata_bench fp32 recheck baseline/gpt-medium$" "$work/calls")" = 4 ] \
+  || fail "the cell and the baseline's code did not run four times each: $(tr '\n' ',' < "$work/calls")"
+[ -f "$out/reference-build.log" ] || fail "no reference-build.log"
+grep -q "the host, not the code" "$out/gate.txt" && grep -q "gate: PASS" "$out/gate.txt" \
+  || fail "the gate did not take the ratio to the baseline's code"
+STUB_SLOW_AGAIN=1 STUB_REF_FACTOR=1.3 STRATA_REFERENCE_SRC=$work/ref job bench \
+  && fail "a cell slower than the baseline's own code beside it passed"
+grep -q "the code, not the host" "$out/gate.txt" || fail "the gate did not say the code is slower than the baseline's"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE=0 STRATA_REFERENCE_SRC=$work/ref job bench && fail "STRATA_REFERENCE=0 let a slow cell pass"
+! grep -q "^reference" "$work/calls" || fail "STRATA_REFERENCE=0 ran the baseline's code"
+# From git: the baseline names a commit of the repository (one whose tree holds the reference
+# stand-in where its build would put strata_bench); gpu.sh unpacks it under build/reference/.
+cp "$work/repo/build/cuda/bench/strata_bench" "$work/this-bench"
+( cd "$work/repo" && git init -q && touch CMakeLists.txt && cp "$work/ref/build/cuda/bench/strata_bench" build/cuda/bench/ \
+  && git add -f CMakeLists.txt build/cuda/bench/strata_bench && git -c user.name=t -c user.email=t@t commit -qm ref ) \
+  || fail "could not make a git history for the reference"
+ref_commit=$(git -C "$work/repo" rev-parse HEAD)
+cp -p "$work/this-bench" "$work/repo/build/cuda/bench/strata_bench"
+$python - "$work/repo/reports/baselines/stub-gpu.json" "$ref_commit" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["context"]["strata_commit"] = sys.argv[2]
+json.dump(doc, open(sys.argv[1], "w"))
+PY
+STUB_SLOW_AGAIN=1 job bench || { cat "$work/log"; fail "a cell as slow as the baseline's code from git failed"; }
+[ -x "$work/repo/build/reference/$ref_commit/build/cuda/bench/strata_bench" ] || fail "the baseline's commit was not unpacked"
+[ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] && grep -q "(${ref_commit})" "$out/gate.txt" \
+  || fail "the baseline's code from git did not run beside the cell: $(tr '\n' ',' < "$work/calls")"
+$python -c 'import json, sys; c = json.load(open(sys.argv[1]))["context"]["strata_commit"]; sys.exit(c != sys.argv[2] + "-dirty")' \
+  "$out/bench-gated.json" "$ref_commit" || fail "bench-gated.json does not name the checkout's commit, dirty"
+rm -rf "$work/repo/.git" "$work/repo/build/reference" "$work/repo/CMakeLists.txt"
 STRATA_RECHECK_CELLS=0 job bench && fail "a slow cell passed with nothing measured again"
 ! grep -q recheck "$work/calls" || fail "STRATA_RECHECK_CELLS=0 measured a cell again"
 doctor items_per_second 1.3 baseline/gpt-medium,baseline/gpt-871m
@@ -204,4 +258,4 @@ doctor peak_allocated_bytes 0.5
 job bench && fail "a run whose cell's memory rose exited 0"
 ! grep -q recheck "$work/calls" || fail "a memory rise was measured again"
 rm "$work/repo/reports/baselines/stub-gpu.json"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again)"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code)"

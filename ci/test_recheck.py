@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Self-test of ci/recheck.py: cell names back to strata_bench arguments (options, precision,
 preset overrides; cells over several ranks refused), the cap on how many cells are measured again,
-a cell the run does not name, and, given a strata_bench binary, the real thing: cells of a CPU run
-measured again, each alone, under the names the gate looks for, and the gate's --recheck clearing
-a doctored slow reading with them. Runs in CI (ctest: cpu.recheck_self_test).
+a cell the run does not name, the baseline's code run beside each cell in alternating order, and,
+given a strata_bench binary, the real thing: cells of a CPU run measured again, each alone (and
+paired with the binary standing in for the baseline's code), under the names the gate looks for,
+and the gate's --recheck clearing a doctored slow reading with them. Runs in CI (ctest: cpu.recheck_self_test).
 
   python3 ci/test_recheck.py [STRATA_BENCH]
 """
@@ -82,8 +83,10 @@ open(args["benchmark_out"], "w").write(text)
 """
 
 
-def with_stub(cells, extra_env=None, max_cells=None):
-    """recheck.main over `cells` with the stand-in: (status, output, JSON written, stand-in's calls)."""
+def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=None):
+    """recheck.main over `cells` with the stand-in: (status, output, JSON written, stand-in's calls),
+    and with `reference` the stand-in again as the baseline's code (its calls marked REF, its JSON
+    as the last item)."""
     with tempfile.TemporaryDirectory() as d:
         stub, log, listed, out = (os.path.join(d, n) for n in ("strata_bench", "log", "cells.txt", "out/again.json"))
         with open(stub, "w") as f:
@@ -96,12 +99,25 @@ def with_stub(cells, extra_env=None, max_cells=None):
             os.environ[k] = v
         try:
             argv = ["--cells", listed, "--out", out] + (["--max-cells", str(max_cells)] if max_cells is not None else [])
+            ref_out = os.path.join(d, "out/reference.json")
+            if reference:
+                ref = os.path.join(d, "reference")  # the stand-in, its calls marked
+                with open(ref, "w") as f:
+                    # In place of the command's first word (the stand-in's path) and with REF_NAME as its name.
+                    f.write(f'#!/bin/sh\nshift\n[ -n "$REF_NAME" ] && export STUB_NAME="$REF_NAME"\n'
+                            f'exec {sys.executable} {stub} REF "$@"\n')
+                os.chmod(ref, 0o755)
+                argv += ["--reference-bench", ref, "--reference-out", ref_out, "--reference-label", "abc1234"]
+            if rounds is not None:
+                argv += ["--rounds", str(rounds)]
             status, text = quiet(recheck.main, argv + ["--", sys.executable, stub, "--benchmark_repetitions=2"])
         finally:
             for k in extra_env or {}:
                 del os.environ[k]
         doc = json.load(open(out)) if os.path.exists(out) else None
         calls = open(log).read().splitlines() if os.path.exists(log) else []
+        if reference:
+            return status, text, doc, calls, (json.load(open(ref_out)) if os.path.exists(ref_out) else None)
         return status, text, doc, calls
 
 
@@ -135,6 +151,43 @@ def measures_none_beyond_the_cap_and_flags_a_cell_the_run_did_not_name():
     assert quiet(recheck.main, ["--cells", "/nonexistent", "--out", "/tmp/x.json", "--", "true"])[0] == 2
 
 
+@case
+def runs_the_baselines_code_beside_each_cell_in_alternating_order():
+    cells = ["a/m", "b[precision=bf16]/m"]
+    status, text, doc, calls, ref = with_stub(cells, reference=True)
+    assert status == 0, text
+    # Per cell, four rounds: reference, this code, this code, reference, and again; the reference
+    # with the same arguments.
+    marks = [c.startswith("REF ") for c in calls]
+    assert marks == [True, False, False, True] * 4, calls
+    same = [" ".join(a for a in c.split() if not a.startswith("--benchmark_out=")) for c in calls[:2]]
+    assert same[0] == "REF " + same[1] and "--precision=bf16" in calls[9], calls
+    names = [b["name"].split("/iterations")[0] for b in doc["benchmarks"]]
+    assert names == ["a/m"] * 8 + ["b[precision=bf16]/m"] * 8, names  # four rounds of two repetitions
+    assert [b["name"].split("/iterations")[0] for b in ref["benchmarks"]] == names, ref
+    # Each row says which process of its side it came from: the gate compares processes.
+    assert [b["recheck_process"] for b in doc["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, doc
+    assert [b["recheck_process"] for b in ref["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, ref
+    assert ref["context"]["strata_reference"] == "abc1234", ref["context"]
+    status, text, doc, calls, ref = with_stub(["a/m"], reference=True, rounds=3)
+    assert [c.startswith("REF ") for c in calls] == [True, False, False, True, True, False], calls
+    status, text, doc, calls = with_stub(["a/m"])  # alone: one process, as before
+    assert len(calls) == 1 and [b["recheck_process"] for b in doc["benchmarks"]] == [1, 1], (calls, doc)
+    # A reference that cannot run the cell: its file lacks it, this code's readings stand, exit 1.
+    status, text, doc, calls, ref = with_stub(["a/m"], {"REF_NAME": "other/m"}, reference=True)
+    assert status == 1 and "the run named no such cell" in text, text
+    assert ref["benchmarks"] == [] and len(doc["benchmarks"]) == 8, (ref, doc)
+    with tempfile.TemporaryDirectory() as d:
+        listed = os.path.join(d, "cells.txt")
+        open(listed, "w").write("a/m\n")
+        for extra, why in ((["--reference-bench", "/nonexistent", "--reference-out", "x.json"], "not an executable"),
+                           (["--reference-bench", sys.executable], "go together"), (["--rounds", "0"], "at least 1")):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                got = recheck.main(["--cells", listed, "--out", os.path.join(d, "o.json")] + extra + ["--", "true"])
+            assert got == 2 and why in err.getvalue(), (extra, got, err.getvalue())
+
+
 def real_binary(strata_bench):
     """A CPU run of two cells; one doctored slow against a baseline that is the run itself; the
     doctored cell measured again by the real binary clears the gate, the other stays as it was."""
@@ -165,6 +218,16 @@ def real_binary(strata_bench):
         # either note will do; a name that did not match would leave neither.
         assert (f"{slow}: failed on time in the run" in text
                 or f"{slow}: measured again in a process of its own, it failed again" in text), text
+        # The same binary standing in for the baseline's code: both sides' rows found under the
+        # cell's name and paired (whether the pair passes is the CPU's noise again).
+        ref = os.path.join(d, "reference.json")
+        status, text = quiet(recheck.main, ["--cells", listed, "--out", again, "--reference-bench", strata_bench,
+                                            "--reference-out", ref, "--rounds", "3", "--", strata_bench] + common)
+        assert status == 0, text
+        status, text = quiet(gate.main, [doctored, run, "--no-compare", "--recheck", again, "--recheck-reference", ref])
+        assert (f"{slow}: failed on time in the run" in text and "the paired reading is gated" in text
+                or f"{slow}: measured again beside the baseline's own code ({strata_bench}) on this host, it is slower"
+                in text), text
 
 
 def main():
