@@ -266,7 +266,7 @@ def second_reading(name, outcome, again, base_rows, checks, now_us, base_us, arg
 # few % (bench/NOTES.md, "The gate against the baseline's own code"), so the repetitions' spread
 # does not say what a difference between processes means.
 PAIR_ALPHA = 0.05
-PAIR_MIN_PROCESSES = 3  # per side: with fewer, no arrangement reaches PAIR_ALPHA
+PAIR_MIN_PROCESSES = 3  # a side: 3 and 3 at best give 1/20 = PAIR_ALPHA, fewer on either side give more
 
 
 def process_values(rows, key):
@@ -306,10 +306,12 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
     ratio to the baseline's code measured alternately with it: on one host, at one time, the host's
     speed is in both. No dispatch allowance then (both paid the same dispatching), and the bar is
     the committed baseline's spread rule, so that a noisy host cannot widen it."""
-    for side, cell in (("measured again", again), ("the baseline's code measured beside it", reference)):
-        if cell["error"] is not None or not cell["reps"]:
-            notes.append(f"{name}: {side}, it did not run ({(cell['error'] or 'no repetitions')[:120]})")
-            return None
+    if again["error"] is not None or not again["reps"]:
+        return None  # the second reading's own note says so
+    if reference["error"] is not None or not reference["reps"]:
+        notes.append(f"{name}: the baseline's code measured beside it did not run "
+                     f"({(reference['error'] or 'no repetitions')[:120]})")
+        return None
     processes = min(len(process_values(cell["reps"], checks[0][0])) for cell in (again, reference))
     if processes < PAIR_MIN_PROCESSES:
         notes.append(f"{name}: measured beside the baseline's own code in {processes} process(es) a side, fewer than "
@@ -317,15 +319,22 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
         return None
     paired = time_checks(name, reference["reps"], again["reps"], checks, 0.0, 0.0, args, [], noise_rows=base_rows,
                          against=f"the baseline's own code ({label}) measured beside it on this host")
+    unresolved = False  # a check below its bar let go on the processes' spread alone
     for i, c in enumerate(paired):
         code, ref = process_values(again["reps"], c.key), process_values(reference["reps"], c.key)
         p = slower_p(code, ref, c.key == "items_per_second")
         shown = f"its {len(code)} processes against that code's {len(ref)}: p = {p:.3f} that they are slower"
-        if c.failed and p > PAIR_ALPHA:
+        # However spread the processes, a ratio below the largest drop any bar allows fails: one fast
+        # process must not clear a large slowdown.
+        floor = 1.0 - max(args.max_drop, c.threshold)
+        failed = c.failed and (p <= PAIR_ALPHA or c.ratio < floor)
+        if c.failed and not failed:
+            unresolved = True
             notes.append(f"{name}: {c.key} {c.ratio:.3f} x the baseline's code measured beside it, below its bar "
                          f"({c.threshold:.1%}), but not beyond the processes' own spread ({shown}; the gate's level "
-                         f"{PAIR_ALPHA:g}): not counted as slower at this resolution")
-        paired[i] = c._replace(failed=c.failed and p <= PAIR_ALPHA, message=f"{c.message}; {shown}")
+                         f"{PAIR_ALPHA:g}) and above {floor:.2f} x: not counted as slower at this resolution")
+        paired[i] = c._replace(failed=failed, message=f"{c.message}; {shown}"
+                               + (f"; below {floor:.2f} x, which no spread excuses" if c.ratio < floor else ""))
     first = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in outcome)
     then = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in paired)
     record = ", ".join(f"{key} {ratio:.3f} x" for key, ratio in
@@ -335,9 +344,11 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
         notes.append(f"{name}: measured again beside the baseline's own code ({label}) on this host, it is slower "
                      f"than that code ({then}; in the run {first} the baseline): the code, not the host")
     else:
+        verdict = ("slower than its bar, but within what its processes' spread can resolve" if unresolved
+                   else "the host, not the code")
         notes.append(f"{name}: failed on time in the run ({first} the baseline); measured again beside the "
                      f"baseline's own code ({label}) on this host it ran at {then} that code, which itself read "
-                     f"{record} its recorded figures here: the host, not the code; the paired reading is gated")
+                     f"{record} its recorded figures here: {verdict}; the paired reading is gated")
     return [c._replace(reps=f"{c.reps} paired") for c in paired]
 
 
@@ -354,11 +365,20 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
     # a host of another class than the run's is not used.
     again_same_host = same_host_class(recheck_ctx or {}, now_ctx) if recheck_cells else True
     label = (reference_ctx or {}).get("strata_reference") or "its commit"
-    # The pair ran alternately in one job: the CPU model must match, not the triads, which moved
-    # from 64.6 to 81.1 GB/s between two processes on one H200 host minutes apart (bench/NOTES.md,
-    # "The gate against the baseline's own code").
-    pair_same_host = (reference_cells is not None and recheck_cells is not None
-                      and (reference_ctx or {}).get("host_cpu", "unknown") == (recheck_ctx or {}).get("host_cpu", "?"))
+    # Why a --recheck-reference file is not paired at all, or "". The pair ran alternately in one
+    # job: the CPU model must match, not the triads, which moved from 64.6 to 81.1 GB/s between two
+    # processes on one H200 host minutes apart (bench/NOTES.md, "The gate against the baseline's own
+    # code"). And the reference must be the commit the baseline names: any other code (the run's
+    # own, say) would make the ratio say nothing about the baseline.
+    pair_refused = ""
+    if reference_cells is not None:
+        ref_cpu, again_cpu = (reference_ctx or {}).get("host_cpu", "unknown"), (recheck_ctx or {}).get("host_cpu", "?")
+        ref_commit, base_commit = (reference_ctx or {}).get("strata_commit", ""), base_ctx.get("strata_commit", "")
+        if ref_cpu != again_cpu:
+            pair_refused = f"the baseline's code ran on another CPU ({ref_cpu} against {again_cpu})"
+        elif not base_commit or ref_commit != base_commit:
+            pair_refused = (f"the code measured beside it is commit '{ref_commit or 'unnamed'}', the baseline's is "
+                            f"'{base_commit or 'unnamed'}'")
     for name, base in sorted(base_cells.items()):
         now = now_cells.get(name)
         if base["error"] is not None and not is_oom(base["error"]):
@@ -419,15 +439,12 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
             paired = None
             if own:
                 notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
-            elif reference is not None and pair_same_host:
-                paired = paired_reading(name, outcome, again, reference, base["reps"], checks, args, notes, label)
+            elif reference is not None and pair_refused:
+                notes.append(f"{name}: not paired: {pair_refused}")
             elif reference is not None:
-                notes.append(f"{name}: the baseline's own code was measured beside it on another CPU "
-                             f"({reference_ctx.get('host_cpu', 'unknown')} against {recheck_ctx.get('host_cpu', 'unknown')}): "
-                             f"not paired")
+                paired = paired_reading(name, outcome, again, reference, base["reps"], checks, args, notes, label)
             elif reference_cells is not None:
-                notes.append(f"{name}: the baseline's own code was not measured beside it; the second reading "
-                             f"alone is gated")
+                notes.append(f"{name}: the baseline's own code was not measured beside it")
             if paired is not None:
                 outcome = paired
             elif own:

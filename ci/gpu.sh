@@ -27,9 +27,10 @@
 # gated on that reading, at most this many; default 8, 0 for none),
 # STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
 # baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
-# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_REFERENCE_SRC (a folder holding the sources of the baseline's commit,
-# for a machine without the repository's history, e.g. from `git archive COMMIT`; default: that
-# commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
+# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_REFERENCE_SRC (the
+# sources of the baseline's commit, for a machine without the repository's history: a git checkout
+# of it, or a folder with a .strata-commit file naming it; default: that commit, as the baseline's
+# context names it (strata_commit), taken from git), STRATA_COMMIT (the
 # commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
 # -dirty where tracked files differ from it),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
@@ -254,9 +255,11 @@ bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf
 { cp "$outdir/bench.json" "$outdir/bench-gated.json" && merge_into "$outdir/bench-gated.json" "$outdir/bench-bf16.json"; } || status=1
 # The commit of the code measured, so that bench-gated.json, once committed as a baseline, names
 # the code a later run can build and measure beside its own (ci/recheck.py --reference-bench).
+# Only this checkout's own repository counts (not one it sits inside), and any change to it, tracked
+# or not, marks the commit -dirty.
 commit=${STRATA_COMMIT:-}
-if [ -z "$commit" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
-  git diff --quiet HEAD -- 2>/dev/null || commit+="-dirty"
+if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
+  [ -z "$(git status --porcelain 2>/dev/null)" ] || commit+="-dirty"
 fi
 python3 - "$outdir/bench-gated.json" "${commit:-unknown}" <<'PY' || status=1
 import json, sys
@@ -275,32 +278,50 @@ python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outd
 # The gate: against the committed baseline for this machine. A machine without one fails the job
 # unless STRATA_ALLOW_NO_BASELINE=1, and then the report says the run was not gated.
 baseline="reports/baselines/$gpu_key.json"
-# reference_bench: sets ref_bin to a strata_bench built from the baseline's own commit (and
-# ref_label to what it is), or leaves them empty and says why. Its sources: STRATA_REFERENCE_SRC,
-# else the commit the baseline's context names, from git, unpacked under build/reference/. Only
-# strata_bench is built, into the sources' own build/cuda, its log in OUTDIR/reference-build.log.
-ref_bin="" ref_label=""
+# reference_bench: sets ref_bin to a strata_bench built from the baseline's own commit (ref_commit,
+# and ref_label to say where from), or leaves them empty and says why. The commit is the one the
+# baseline's context names (strata_commit, 40 hex digits). Its sources: STRATA_REFERENCE_SRC (a git
+# checkout of that commit, or a folder whose .strata-commit file names it, e.g. made by `git archive
+# COMMIT | tar -x -C DIR && echo COMMIT > DIR/.strata-commit`), else that commit from git (fetched
+# into a shallow clone), unpacked under build/reference/. Only strata_bench is built, into the
+# sources' own build/cuda, its log in OUTDIR/reference-build.log.
+ref_bin="" ref_label="" ref_commit=""
 reference_bench() {
-  local src=${STRATA_REFERENCE_SRC:-} commit t0
+  local src=${STRATA_REFERENCE_SRC:-} commit held t0
   if [ "${STRATA_REFERENCE:-1}" = 0 ]; then
     echo "ci/gpu.sh: STRATA_REFERENCE=0: the baseline's code is not measured beside them"; return 0
   fi
   commit=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"].get("strata_commit", ""))' \
     "$baseline" 2>/dev/null || true)
-  if [ -n "$src" ]; then
-    ref_label="${commit:-its commit unnamed}, sources from $src"
-  elif [ -z "$commit" ] || [ "${commit%-dirty}" != "$commit" ] || [ "$commit" = unknown ]; then
+  if ! [[ $commit =~ ^[0-9a-f]{40}$ ]]; then
     echo "ci/gpu.sh: $baseline names no clean commit (context strata_commit '${commit}'): the baseline's code is not measured beside them"
     return 0
-  elif ! git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1 \
-      && ! { git fetch -q --depth=1 origin "$commit" > /dev/null 2>&1 \
-             && git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1; }; then  # a shallow clone fetches it
-    echo "ci/gpu.sh: the baseline's commit $commit is not in a git history here (STRATA_REFERENCE_SRC gives its sources): the baseline's code is not measured beside them"
-    return 0
+  fi
+  if [ -n "$src" ]; then
+    if [ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" = "$(realpath "$src")" ]; then
+      held=$(git -C "$src" rev-parse HEAD 2>/dev/null || true)
+    else
+      held=$(cat "$src/.strata-commit" 2>/dev/null || true)
+    fi
+    if [ "$held" != "$commit" ]; then
+      echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src holds commit '${held:-unnamed}' (a git checkout's HEAD, or its .strata-commit), not the baseline's $commit: the baseline's code is not measured beside them"
+      return 0
+    fi
+    ref_label="${commit:0:12}, sources from $src"
   else
-    src=build/reference/$commit ref_label=$commit
-    if [ ! -f "$src/CMakeLists.txt" ]; then
-      rm -rf "$src" && mkdir -p "$src" && git archive "$commit" | tar -x -C "$src" \
+    if ! git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1; then
+      if [ "$(git rev-parse --is-shallow-repository 2>/dev/null)" = true ]; then  # a shallow clone: fetch that commit
+        GIT_TERMINAL_PROMPT=0 timeout 300 git fetch -q --depth=1 origin "$commit" > /dev/null 2>&1 || true
+      fi
+      if ! git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1; then
+        echo "ci/gpu.sh: the baseline's commit $commit is not in a git history here (STRATA_REFERENCE_SRC gives its sources): the baseline's code is not measured beside them"
+        return 0
+      fi
+    fi
+    src=build/reference/$commit ref_label=${commit:0:12}
+    if [ ! -f "$src/.strata-commit" ]; then  # unpacked whole or not at all
+      rm -rf "$src" "$src.partial" && mkdir -p "$src.partial" && git archive "$commit" | tar -x -C "$src.partial" \
+        && echo "$commit" > "$src.partial/.strata-commit" && mv "$src.partial" "$src" \
         || { echo "ci/gpu.sh: could not unpack $commit into $src"; return 0; }
     fi
   fi
@@ -316,7 +337,7 @@ reference_bench() {
   [ -x "$src/build/cuda/bench/strata_bench" ] \
     || { echo "ci/gpu.sh: no $src/build/cuda/bench/strata_bench after its build"; return 0; }
   echo "ci/gpu.sh: built in $(( $(date +%s) - t0 )) s"
-  ref_bin=$src/build/cuda/bench/strata_bench
+  ref_bin=$src/build/cuda/bench/strata_bench ref_commit=$commit
 }
 note=""
 if [ -f "$baseline" ]; then
@@ -331,11 +352,11 @@ if [ -f "$baseline" ]; then
       mv "$outdir/gate.txt" "$outdir/gate-first.txt"
       # Beside the baseline's own code where it can be built here: the two alternate on each cell,
       # and the gate takes the code's ratio to it (ci/gate.py --recheck-reference).
-      [ "$(wc -l < "$outdir/recheck-cells.txt")" -le "${STRATA_RECHECK_CELLS:-8}" ] && reference_bench
+      [ "$(wc -l < "$outdir/recheck-cells.txt")" -le "${STRATA_RECHECK_CELLS:-8}" ] && reference_bench || true
       ref_args=() gate_ref=()
       if [ -n "$ref_bin" ]; then
         ref_args=(--reference-bench "$ref_bin" --reference-out "$outdir/recheck-reference.json" --reference-label "$ref_label"
-                  --rounds "${STRATA_RECHECK_ROUNDS:-4}")
+                  --reference-commit "$ref_commit" --rounds "${STRATA_RECHECK_ROUNDS:-4}")
         gate_ref=(--recheck-reference "$outdir/recheck-reference.json")
       fi
       python3 ci/recheck.py --cells "$outdir/recheck-cells.txt" --out "$outdir/recheck.json" \

@@ -15,8 +15,10 @@ alike), and the reference's rows go to --reference-out for the gate's --recheck-
 gate then compares the code with the baseline's code on one host at one time, which no probe of
 the host's speed can (bench/NOTES.md, "The gate against the baseline's own code"). Every row is
 tagged with its process (counter recheck_process, 1 up, per side): processes of one binary on one
-host differ by more than the repetitions within one, so the gate compares processes. The default of
-4 rounds is the fewest whose processes can show a slowdown at the gate's 5% (3 just can).
+host differ by more than the repetitions within one, so the gate compares processes. With 3 a side
+the clearest separation reaches the gate's 5% exactly (1 arrangement in 20); the default 4 gives
+room (1 in 70). --reference-commit names the reference's commit in its file, and the gate pairs
+only a reference whose commit is the baseline's.
 
 Everything after -- is the strata_bench command, to which each cell's own arguments and its
 --benchmark_out are added (the reference gets the same arguments). Exit 0 when every listed cell
@@ -116,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--reference-out", metavar="PATH", help="the JSON of the reference's rows (with --reference-bench)")
     ap.add_argument("--reference-label", default="",
                     help="what the reference is (its commit), kept in --reference-out's context")
+    ap.add_argument("--reference-commit", default="",
+                    help="the commit the reference was built from, kept in --reference-out's context as strata_commit")
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes of each cell per binary (default 4 with --reference-bench, else 1)")
     args = ap.parse_args(argv[:split])
@@ -125,6 +129,10 @@ def main(argv=None):
         return 2
     if bool(args.reference_bench) != bool(args.reference_out):
         print("recheck.py: --reference-bench and --reference-out go together", file=sys.stderr)
+        return 2
+    if args.reference_out and os.path.abspath(args.reference_out) == os.path.abspath(args.out):
+        print(f"recheck.py: --reference-out={args.reference_out} is --out too: the reference's rows would replace "
+              f"this code's", file=sys.stderr)
         return 2
     rounds = args.rounds if args.rounds is not None else (4 if args.reference_bench else 1)
     if rounds < 1:
@@ -185,6 +193,10 @@ def main(argv=None):
         doc = sides[side][1] or {"context": {}, "benchmarks": []}
         if side == "reference":
             doc["context"]["strata_reference"] = args.reference_label or args.reference_bench
+            if args.reference_commit:
+                doc["context"]["strata_commit"] = args.reference_commit
+            else:
+                doc["context"].pop("strata_commit", None)  # not known: the gate will not pair it
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
     return status

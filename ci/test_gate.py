@@ -48,8 +48,12 @@ def errored(name, message):
              "error_message": message}]
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the baseline's commit, and the reference's
+
+
 def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0, dispatch_now=0.0,
-        dispatch_base=0.0, recheck=None, listed=None, dispatch_again=None, triad_again=None, reference=None):
+        dispatch_base=0.0, recheck=None, listed=None, dispatch_again=None, triad_again=None, reference=None,
+        host_ref=None, commit_base=COMMIT, commit_ref=COMMIT):
     """gate.main on the two runs (and `recheck`, the cells measured again, and `reference`, the
     baseline's code measured beside them, if given): (exit status, output). `listed`, a list,
     receives the cells --recheck-list names."""
@@ -59,8 +63,8 @@ def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, t
         if recheck is not None:  # measured on the run's host unless told otherwise
             runs.append((recheck, host_now, triad_now if triad_again is None else triad_again,
                          dispatch_now if dispatch_again is None else dispatch_again, "again"))
-        if reference is not None:  # beside the second reading, on its host
-            runs.append((reference, host_now, triad_now if triad_again is None else triad_again,
+        if reference is not None:  # beside the second reading, on its host unless told otherwise
+            runs.append((reference, host_ref or host_now, triad_now if triad_again is None else triad_again,
                          dispatch_now if dispatch_again is None else dispatch_again, "reference"))
         for rows, host, triad, us, tag in runs:
             p = os.path.join(d, tag + ".json")
@@ -69,6 +73,10 @@ def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, t
                 context["host_dispatch_us"] = str(us)
             if tag == "reference":
                 context["strata_reference"] = "abc1234"
+                if commit_ref:
+                    context["strata_commit"] = commit_ref
+            if tag == "base" and commit_base:
+                context["strata_commit"] = commit_base
             with open(p, "w") as f:
                 json.dump({"context": context, "benchmarks": rows}, f)
             paths.append(p)
@@ -446,9 +454,9 @@ def a_cell_measured_beside_the_baselines_own_code_is_gated_on_that_ratio():
     expect(status, out, 0, "the host, not the code; the paired reading is gated")
     assert "ran at items_per_second 0.992 x that code, which itself read items_per_second 0.660 x" in out, out
     assert "10 paired/5" in out and "(abc1234)" in out, out
-    # A slowdown of the code reads slow against its baseline's code on any host: on a faster host
-    # the second reading alone (1.05 x the record) would pass, the ratio to the baseline's code
-    # measured beside it (1.05 / 1.30) does not.
+    # A cell whose second reading alone (1.05 x the record) would pass, but which is slower than the
+    # baseline's code measured beside it (1.05 / 1.30, every reading below every one of that code's),
+    # fails.
     status, out = run(now, base, recheck=each_its_own(reps("l/m", 1050, 0.02)),
                       reference=each_its_own(reps("l/m", 1300, 0.02)))
     expect(status, out, 1, "l/m: throughput 0.808 x the baseline's own code (abc1234) measured beside it")
@@ -495,6 +503,27 @@ def a_pair_fails_only_where_the_processes_say_slower_beyond_their_own_spread():
     status, out = run(nowhb, basehb, recheck=processes("h/m", [25.1, 27.0, 28.1, 25.3], **hb),
                       reference=processes("h/m", [26.6, 25.6, 25.6, 25.7], **hb), host_now="cpu-b")
     expect(status, out, 0, "gate: PASS")
+    # However spread the processes, a ratio below the largest drop any bar allows (25%) fails: one
+    # fast process does not clear a 46% slowdown.
+    status, out = run(now, base, recheck=processes("l/m", [100, 110, 120, 230]),
+                      reference=processes("l/m", [200, 210, 220, 225]))
+    expect(status, out, 1, "below 0.75 x, which no spread excuses")
+    # Within the floor, let go on the spread: the note does not call it the host's doing.
+    status, out = run(now, base, recheck=processes("l/m", [160, 180, 190, 215]),
+                      reference=processes("l/m", [170, 200, 210, 220]))
+    assert "within what its processes' spread can resolve" in out and "the host, not the code" not in out, out
+    # Three a side, each below each: p = 1/20, at the gate's level, fails.
+    status, out = run(now, base, recheck=processes("l/m", [183, 180, 186]), reference=processes("l/m", [200, 198, 203]))
+    expect(status, out, 1, "its 3 processes against that code's 3: p = 0.050 that they are slower")
+    # A host-bound cell on the baseline's host class: its whole step is gated too, at 25%, in the pair.
+    hbase = reps("h/m", 1000, fwd_bwd_ms=100.0, host_bound=1)
+    hnow = reps("h/m", 600, fwd_bwd_ms=100.0, host_bound=1)
+    status, out = run(hnow, hbase, recheck=processes("h/m", [600, 610, 590, 605], host_bound=1),
+                      reference=processes("h/m", [1000, 990, 1010, 995], host_bound=1))
+    expect(status, out, 1, "h/m: throughput 0.604 x the baseline's own code")
+    status, out = run(hnow, hbase, recheck=processes("h/m", [800, 810, 790, 805], host_bound=1),
+                      reference=processes("h/m", [1000, 990, 1010, 995], host_bound=1))
+    expect(status, out, 0, "the host, not the code")
     # Rows that do not say their process (a file from before ci/recheck.py tagged them) are one
     # process: not paired.
     status, out = run(now, base, recheck=reps("l/m", 880, 0.02), reference=reps("l/m", 1000, 0.02))
@@ -513,6 +542,9 @@ def the_rank_test_counts_arrangements_as_it_should():
     assert gate.slower_p([5, 6, 7, 8], [1, 2, 3, 4], True) == 1.0  # faster in every process
     # Identical readings: every arrangement ties, p = 1.
     assert gate.slower_p([3, 3, 3], [3, 3, 3], True) == 1.0
+    # Some ties, counted half: U = 10 of 16, reached or passed by 27 of the 70 arrangements (by
+    # midranks, worked apart from gate.py; ties counted as 0 or 1 would give 29 or 26).
+    assert abs(gate.slower_p([1, 2, 2, 3], [1, 2, 3, 4], True) - 27 / 70) < 1e-12
     # Beyond counting (C(40, 20)): the normal approximation, small for a shifted set, near 1/2 for
     # interleaved ones.
     assert gate.slower_p(list(range(20)), list(range(10, 30)), True) < 0.001
@@ -527,13 +559,27 @@ def without_the_baselines_code_beside_it_the_second_reading_alone_decides():
     expect(status, out, 0, "a/m: the baseline's own code was not measured beside it")
     assert "passed when measured again in a process of its own" in out, out
     status, out = run(now, base, recheck=reps("a/m", 880, 0.02), reference=errored("a/m", "error: boom"))
-    expect(status, out, 1, "the baseline's code measured beside it, it did not run (error: boom")
+    expect(status, out, 1, "the baseline's code measured beside it did not run (error: boom")
     assert "it failed again" in out, out
     # A cell that passed in the run keeps its first reading whatever the pair says.
     ok = reps("b/m", 1000, 0.02)
     status, out = run(ok, ok, recheck=reps("b/m", 500, 0.02), reference=reps("b/m", 1000, 0.02))
     expect(status, out, 0, "gate: PASS")
     assert "paired" not in out, out
+
+
+@case
+def the_pair_must_be_the_baselines_commit_on_the_same_cpu():
+    base, now = reps("l/m", 1000, 0.02), reps("l/m", 650, 0.02)
+    again, ref = processes("l/m", [655, 650, 660, 652]), processes("l/m", [660, 655, 650, 658])
+    expect(*run(now, base, recheck=again, reference=ref), 0, "the host, not the code")
+    # Another commit than the baseline's (the run's own code, say), or none named on either side.
+    for kw in (dict(commit_ref="f" * 40), dict(commit_ref=""), dict(commit_base="", commit_ref="")):
+        status, out = run(now, base, recheck=again, reference=ref, **kw)
+        expect(status, out, 1, "not paired: the code measured beside it is commit")
+    # Another CPU than the second reading's.
+    status, out = run(now, base, recheck=again, reference=ref, host_ref="cpu-z")
+    expect(status, out, 1, "not paired: the baseline's code ran on another CPU (cpu-z against cpu-a)")
 
 
 @case

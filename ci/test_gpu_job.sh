@@ -24,7 +24,8 @@ cat > "$work/bin/nvidia-smi" <<'EOF'
 #!/bin/sh
 echo "Stub GPU"
 EOF
-printf '#!/bin/sh\nexit 0\n' > "$work/bin/cmake"
+# cmake (and ctest): nothing to do; with STUB_REF_BUILD_FAIL, a build in a folder named ref fails.
+printf '#!/bin/sh\n[ -n "${STUB_REF_BUILD_FAIL:-}" ] && [ "${PWD##*/}" = ref ] && exit 1\nexit 0\n' > "$work/bin/cmake"
 # torchrun: its own options dropped, the script and its arguments to the python3 stand-in.
 cat > "$work/bin/torchrun" <<'EOF'
 #!/bin/sh
@@ -213,6 +214,17 @@ echo "reference recheck \$strategies/\$models" >> "$work/calls"
 exec $python "$work/cell_rows.py" "\$out" "\$strategies" "\$models" "\$prec" "\${STUB_REF_FACTOR:-1}"
 EOF
 chmod +x "$work/ref/build/cuda/bench/strata_bench"
+name_commit() {  # the baseline's context names commit $1
+  $python - "$work/repo/reports/baselines/stub-gpu.json" "$1" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["context"]["strata_commit"] = sys.argv[2]
+json.dump(doc, open(sys.argv[1], "w"))
+PY
+}
+ref_src_commit=0123456789abcdef0123456789abcdef01234567
+name_commit $ref_src_commit
+echo $ref_src_commit > "$work/ref/.strata-commit"
 STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job bench \
   || { cat "$work/log"; fail "a cell as slow as the baseline's own code beside it failed"; }
 [ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] \
@@ -226,6 +238,15 @@ STUB_SLOW_AGAIN=1 STUB_REF_FACTOR=1.3 STRATA_REFERENCE_SRC=$work/ref job bench \
 grep -q "the code, not the host" "$out/gate.txt" || fail "the gate did not say the code is slower than the baseline's"
 STUB_SLOW_AGAIN=1 STRATA_REFERENCE=0 STRATA_REFERENCE_SRC=$work/ref job bench && fail "STRATA_REFERENCE=0 let a slow cell pass"
 ! grep -q "^reference" "$work/calls" || fail "STRATA_REFERENCE=0 ran the baseline's code"
+# Sources of another commit than the baseline's, or a reference that does not build: not paired.
+echo ffffffffffffffffffffffffffffffffffffffff > "$work/ref/.strata-commit"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job bench && fail "a cell passed beside another commit's code"
+grep -q "holds commit 'ffff" "$work/log" && ! grep -q "^reference" "$work/calls" \
+  || fail "sources of another commit were built or run beside the cell"
+echo $ref_src_commit > "$work/ref/.strata-commit"
+STUB_SLOW_AGAIN=1 STUB_REF_BUILD_FAIL=1 STRATA_REFERENCE_SRC=$work/ref job bench && fail "a cell passed when the reference did not build"
+grep -q "the baseline's code did not build" "$work/log" && ! grep -q "^reference" "$work/calls" \
+  || fail "a reference that did not build was run"
 # From git: the baseline names a commit of the repository (one whose tree holds the reference
 # stand-in where its build would put strata_bench); gpu.sh unpacks it under build/reference/.
 cp "$work/repo/build/cuda/bench/strata_bench" "$work/this-bench"
@@ -234,15 +255,11 @@ cp "$work/repo/build/cuda/bench/strata_bench" "$work/this-bench"
   || fail "could not make a git history for the reference"
 ref_commit=$(git -C "$work/repo" rev-parse HEAD)
 cp -p "$work/this-bench" "$work/repo/build/cuda/bench/strata_bench"
-$python - "$work/repo/reports/baselines/stub-gpu.json" "$ref_commit" <<'PY'
-import json, sys
-doc = json.load(open(sys.argv[1]))
-doc["context"]["strata_commit"] = sys.argv[2]
-json.dump(doc, open(sys.argv[1], "w"))
-PY
+name_commit "$ref_commit"
 STUB_SLOW_AGAIN=1 job bench || { cat "$work/log"; fail "a cell as slow as the baseline's code from git failed"; }
-[ -x "$work/repo/build/reference/$ref_commit/build/cuda/bench/strata_bench" ] || fail "the baseline's commit was not unpacked"
-[ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] && grep -q "(${ref_commit})" "$out/gate.txt" \
+[ -x "$work/repo/build/reference/$ref_commit/build/cuda/bench/strata_bench" ] \
+  && [ "$(cat "$work/repo/build/reference/$ref_commit/.strata-commit")" = "$ref_commit" ] || fail "the baseline's commit was not unpacked"
+[ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] && grep -q "(${ref_commit:0:12})" "$out/gate.txt" \
   || fail "the baseline's code from git did not run beside the cell: $(tr '\n' ',' < "$work/calls")"
 $python -c 'import json, sys; c = json.load(open(sys.argv[1]))["context"]["strata_commit"]; sys.exit(c != sys.argv[2] + "-dirty")' \
   "$out/bench-gated.json" "$ref_commit" || fail "bench-gated.json does not name the checkout's commit, dirty"

@@ -107,7 +107,8 @@ def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=Non
                     f.write(f'#!/bin/sh\nshift\n[ -n "$REF_NAME" ] && export STUB_NAME="$REF_NAME"\n'
                             f'exec {sys.executable} {stub} REF "$@"\n')
                 os.chmod(ref, 0o755)
-                argv += ["--reference-bench", ref, "--reference-out", ref_out, "--reference-label", "abc1234"]
+                argv += ["--reference-bench", ref, "--reference-out", ref_out, "--reference-label", "abc1234",
+                         "--reference-commit", "f" * 40]
             if rounds is not None:
                 argv += ["--rounds", str(rounds)]
             status, text = quiet(recheck.main, argv + ["--", sys.executable, stub, "--benchmark_repetitions=2"])
@@ -169,6 +170,7 @@ def runs_the_baselines_code_beside_each_cell_in_alternating_order():
     assert [b["recheck_process"] for b in doc["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, doc
     assert [b["recheck_process"] for b in ref["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, ref
     assert ref["context"]["strata_reference"] == "abc1234", ref["context"]
+    assert ref["context"]["strata_commit"] == "f" * 40 and "strata_commit" not in doc["context"], (ref, doc)
     status, text, doc, calls, ref = with_stub(["a/m"], reference=True, rounds=3)
     assert [c.startswith("REF ") for c in calls] == [True, False, False, True, True, False], calls
     status, text, doc, calls = with_stub(["a/m"])  # alone: one process, as before
@@ -181,7 +183,9 @@ def runs_the_baselines_code_beside_each_cell_in_alternating_order():
         listed = os.path.join(d, "cells.txt")
         open(listed, "w").write("a/m\n")
         for extra, why in ((["--reference-bench", "/nonexistent", "--reference-out", "x.json"], "not an executable"),
-                           (["--reference-bench", sys.executable], "go together"), (["--rounds", "0"], "at least 1")):
+                           (["--reference-bench", sys.executable], "go together"), (["--rounds", "0"], "at least 1"),
+                           (["--reference-bench", sys.executable, "--reference-out", os.path.join(d, "o.json")],
+                            "is --out too")):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 got = recheck.main(["--cells", listed, "--out", os.path.join(d, "o.json")] + extra + ["--", "true"])
@@ -221,8 +225,15 @@ def real_binary(strata_bench):
         # The same binary standing in for the baseline's code: both sides' rows found under the
         # cell's name and paired (whether the pair passes is the CPU's noise again).
         ref = os.path.join(d, "reference.json")
+        commit = "0" * 40  # the baseline's commit, as gpu.sh records it, and the stand-in's
+        with open(run) as f:
+            base = json.load(f)
+        base["context"]["strata_commit"] = commit
+        with open(run, "w") as f:
+            json.dump(base, f)
         status, text = quiet(recheck.main, ["--cells", listed, "--out", again, "--reference-bench", strata_bench,
-                                            "--reference-out", ref, "--rounds", "3", "--", strata_bench] + common)
+                                            "--reference-out", ref, "--reference-commit", commit, "--rounds", "3",
+                                            "--", strata_bench] + common)
         assert status == 0, text
         status, text = quiet(gate.main, [doctored, run, "--no-compare", "--recheck", again, "--recheck-reference", ref])
         assert (f"{slow}: failed on time in the run" in text and "the paired reading is gated" in text
