@@ -15,7 +15,8 @@
 # the fp32 matrix and its peers into OUTDIR, and a later run of `bench` alone into the same OUTDIR
 # takes them from there once (same settings and code, no rebuild since; STRATA_REUSE_MATRIX=1: a
 # rebuild of the same code too, as on a fresh machine after the first was lost) and runs the
-# rest, so the benchmarks too can be split over two sessions),
+# rest, so the benchmarks too can be split over two sessions; `gate` alone gates the run a bench
+# phase left in OUTDIR again, measuring failing cells again, and nothing else),
 # STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
 # STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
 # every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
@@ -118,10 +119,22 @@ grep -q "not every test\|should skip" "$outdir/labels.txt" && status=1
 PYTHONUNBUFFERED=1 python3 bench/peers.py --self-test --offload-py="${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}" 2>&1 \
   | tee "$outdir/peers-self-test.txt" || { echo "ci/gpu.sh: the peers' parity self-test failed"; status=1; }
 fi
-[[ ",$phases," == *,bench,* || ",$phases," == *,matrix,* ]] || exit $status
+[[ ",$phases," == *,bench,* || ",$phases," == *,matrix,* || "$phases" == gate ]] || exit $status
 
 reps=${STRATA_BENCH_REPS:-5}
 offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
+# `gate` alone: the gate again on the run a bench phase left in OUTDIR, with its cells measured again
+# (and beside the baseline's code) where they fail on time; nothing else is measured or reported.
+# For a run whose bench phase had STRATA_RECHECK_CELLS=0, or whose second readings are wanted later.
+gate_only=0
+if [ "$phases" = gate ]; then
+  gate_only=1
+  for f in bench.json bench-gated.json; do
+    [ -f "$outdir/$f" ] || { echo "ci/gpu.sh: no $outdir/$f: the gate phase gates a run a bench phase left there"; exit 1; }
+  done
+  echo "ci/gpu.sh: the gate again on $outdir/bench-gated.json"
+fi
+if [ "$gate_only" = 0 ]; then
 more_peers="" more_peers_bf16=""  # the report headers' commands for the peers beyond peers.py's defaults
 for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
@@ -273,6 +286,7 @@ more_peers_into "$outdir/peers-bf16.json" --precision=bf16
 pipeline_peers_into "$outdir/peers-bf16.json" --precision=bf16
 python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outdir/peers-bf16.json" --out "$outdir/report-bf16" \
   --machine "$gpu_name" --note "$bf16_note" --command "strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf16; bench/peers.py --precision=bf16$more_peers_bf16" || status=1
+fi  # gate_only
 
 
 # The gate: against the committed baseline for this machine. A machine without one fails the job
@@ -381,7 +395,7 @@ else
   echo "ci/gpu.sh: no $baseline: commit a baseline for this machine or set STRATA_ALLOW_NO_BASELINE=1" | tee "$outdir/gate.txt"
   status=1
 fi
-python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
+[ "$gate_only" = 1 ] || python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
   --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
   --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 

@@ -247,6 +247,15 @@ echo $ref_src_commit > "$work/ref/.strata-commit"
 STUB_SLOW_AGAIN=1 STUB_REF_BUILD_FAIL=1 STRATA_REFERENCE_SRC=$work/ref job bench && fail "a cell passed when the reference did not build"
 grep -q "the baseline's code did not build" "$work/log" && ! grep -q "^reference" "$work/calls" \
   || fail "a reference that did not build was run"
+# The gate phase alone, on the run a bench phase left with nothing measured again: the failing cell
+# measured beside the baseline's code, and nothing else measured.
+STRATA_RECHECK_CELLS=0 job bench && fail "a slow cell passed with nothing measured again"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate || { cat "$work/log"; fail "the gate phase failed a cell as slow as the baseline's code"; }
+[ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] && [ "$(grep -vc recheck "$work/calls")" = 0 ] \
+  || fail "the gate phase ran more than the failing cell and the baseline's code: $(tr '\n' ',' < "$work/calls")"
+grep -q "the host, not the code" "$out/gate.txt" || fail "the gate phase did not gate the pair"
+STRATA_GPU_PHASES=gate bash "$work/repo/ci/gpu.sh" "$work/empty" > "$work/log" 2>&1 && fail "the gate phase passed on an empty folder"
+grep -q "no $work/empty/bench.json" "$work/log" || fail "the gate phase did not say what it lacked"
 # From git: the baseline names a commit of the repository (one whose tree holds the reference
 # stand-in where its build would put strata_bench); gpu.sh unpacks it under build/reference/.
 cp "$work/repo/build/cuda/bench/strata_bench" "$work/this-bench"
@@ -275,4 +284,4 @@ doctor peak_allocated_bytes 0.5
 job bench && fail "a run whose cell's memory rose exited 0"
 ! grep -q recheck "$work/calls" || fail "a memory rise was measured again"
 rm "$work/repo/reports/baselines/stub-gpu.json"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code)"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code, the gate phase alone)"
