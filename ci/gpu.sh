@@ -29,9 +29,9 @@
 # STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
 # baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
 # baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_REFERENCE_SRC (the
-# sources of the baseline's commit, for a machine without the repository's history: a git checkout
-# of it, or a folder with a .strata-commit file naming it; default: that commit, as the baseline's
-# context names it (strata_commit), taken from git), STRATA_COMMIT (the
+# sources of the baseline's commit, for a machine without the repository's history: a clean git
+# checkout of it, or a folder with a .strata-commit file naming it, relative to the repository's
+# root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
 # commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
 # -dirty where tracked files differ from it),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
@@ -58,13 +58,22 @@ if [ "$gpu_count" -gt 1 ]; then
 fi
 echo "ci/gpu.sh: $gpu_name ($gpu_key)"
 
+phases=${STRATA_GPU_PHASES:-suite,bench}
+for phase in ${phases//,/ }; do
+  case $phase in
+    suite|matrix|bench|gate) ;;
+    *) echo "ci/gpu.sh: STRATA_GPU_PHASES='$phases': no phase '$phase' (suite, matrix, bench, gate)"; exit 2 ;;
+  esac
+done
+[[ ",$phases," != *,gate,* || "$phases" == gate ]] \
+  || { echo "ci/gpu.sh: STRATA_GPU_PHASES='$phases': gate runs alone, on a run an earlier bench phase left"; exit 2; }
+
 t0=$(date +%s)
 cmake --preset cuda > "$outdir/build.log" 2>&1
 cmake --build --preset cuda -j "$(nproc)" >> "$outdir/build.log" 2>&1 || { tail -n 30 "$outdir/build.log"; exit 1; }
 echo "ci/gpu.sh: configure + build took $(( $(date +%s) - t0 )) s"
 
 status=0
-phases=${STRATA_GPU_PHASES:-suite,bench}
 # merge_into TARGET EXTRA...: the EXTRA files' benchmarks appended to TARGET's.
 merge_into() {
   python3 - "$@" <<'PY'
@@ -123,18 +132,26 @@ fi
 
 reps=${STRATA_BENCH_REPS:-5}
 offload_py=${STRATA_OFFLOAD_PY:-../shared/seeds/offload.py}
-# `gate` alone: the gate again on the run a bench phase left in OUTDIR, with its cells measured again
-# (and beside the baseline's code) where they fail on time; nothing else is measured or reported.
-# For a run whose bench phase had STRATA_RECHECK_CELLS=0, or whose second readings are wanted later.
+# The settings and a fingerprint of the code that shape the benchmarks (matrix.done, bench.done).
+code=$({ find CMakeLists.txt CMakePresets.json strategies models bench correctness -type f \
+           \( -name '*.cpp' -o -name '*.h' -o -name '*.py' -o -name '*.txt' -o -name '*.json' \) 2>/dev/null || true; } \
+       | LC_ALL=C sort | xargs -r cat | sha256sum | cut -c1-16)
+settings="reps=$reps args=${STRATA_BENCH_ARGS:-} peers=${STRATA_PEERS_MODEL:-gpt-871m} more=${STRATA_MORE_PEER_MODELS-gpt-medium} offload=$offload_py gpus=$gpu_count code=$code"
+# `gate` alone: the gate again on the run a bench phase left in OUTDIR (bench.done: its settings and
+# code, which must be this run's, since the cells measured again run on this build), with its cells
+# measured again (and beside the baseline's code) where they fail on time; nothing else is measured
+# or reported. For a run whose bench phase had STRATA_RECHECK_CELLS=0, or to measure again later.
 gate_only=0
 if [ "$phases" = gate ]; then
   gate_only=1
-  for f in bench.json bench-gated.json; do
-    [ -f "$outdir/$f" ] || { echo "ci/gpu.sh: no $outdir/$f: the gate phase gates a run a bench phase left there"; exit 1; }
-  done
+  if [ ! -f "$outdir/bench.done" ] || [ "$(head -n 1 "$outdir/bench.done")" != "$settings" ]; then
+    echo "ci/gpu.sh: $outdir holds no finished bench phase of these settings and this code (bench.done): nothing to gate again"
+    exit 1
+  fi
   echo "ci/gpu.sh: the gate again on $outdir/bench-gated.json"
 fi
 if [ "$gate_only" = 0 ]; then
+rm -f "$outdir/bench.done" "$outdir/bench-gated.json"  # what an earlier bench phase left no longer describes OUTDIR
 more_peers="" more_peers_bf16=""  # the report headers' commands for the peers beyond peers.py's defaults
 for model in ${STRATA_MORE_PEER_MODELS-gpt-medium}; do
   more_peers+="; bench/peers.py --model=$model --steps=5 --peers=torch_baseline,torch_checkpoint"
@@ -150,10 +167,6 @@ more_peers_bf16+="; $pp_peers --precision=bf16"
 # rebuild measures again). STRATA_REUSE_MATRIX=1 takes them after a rebuild too: the same code
 # built again, on a fresh machine after the first was taken back (OUTDIR carried over); the
 # reports then say that the two halves ran on two machines. Any other run measures afresh.
-code=$({ find CMakeLists.txt CMakePresets.json strategies models bench correctness -type f \
-           \( -name '*.cpp' -o -name '*.h' -o -name '*.py' -o -name '*.txt' -o -name '*.json' \) 2>/dev/null || true; } \
-       | LC_ALL=C sort | xargs -r cat | sha256sum | cut -c1-16)
-settings="reps=$reps args=${STRATA_BENCH_ARGS:-} peers=${STRATA_PEERS_MODEL:-gpt-871m} more=${STRATA_MORE_PEER_MODELS-gpt-medium} offload=$offload_py gpus=$gpu_count code=$code"
 reuse=0 matrix_note="" bf16_note=""
 if [ "$phases" = bench ] && [ -f "$outdir/matrix.done" ]; then
   if [ "$(head -n 1 "$outdir/matrix.done")" != "$settings" ]; then
@@ -271,7 +284,7 @@ bench_command+="; strata_bench --device=cuda:0 --precision=bf16 --strategies=$bf
 # Only this checkout's own repository counts (not one it sits inside), and any change to it, tracked
 # or not, marks the commit -dirty.
 commit=${STRATA_COMMIT:-}
-if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
+if [ -z "$commit" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
   [ -z "$(git status --porcelain 2>/dev/null)" ] || commit+="-dirty"
 fi
 python3 - "$outdir/bench-gated.json" "${commit:-unknown}" <<'PY' || status=1
@@ -280,6 +293,7 @@ doc = json.load(open(sys.argv[1]))
 doc.setdefault("context", {})["strata_commit"] = sys.argv[2]
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
+printf '%s\n' "$settings" > "$outdir/bench.done"  # what shaped bench-gated.json, for a later gate phase
 PYTHONUNBUFFERED=1 python3 bench/peers.py --precision=bf16 --model="${STRATA_PEERS_MODEL:-gpt-871m}" --steps=3 \
   --out="$outdir/peers-bf16.json" 2>&1 | tee "$outdir/peers-bf16.txt" || { echo "ci/gpu.sh: a bf16 peer failed"; status=1; }
 more_peers_into "$outdir/peers-bf16.json" --precision=bf16
@@ -312,8 +326,15 @@ reference_bench() {
     return 0
   fi
   if [ -n "$src" ]; then
-    if [ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" = "$(realpath "$src")" ]; then
+    if [ "$(realpath "$src" 2>/dev/null)" = "$(pwd -P)" ]; then
+      echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src is this checkout: the baseline's code is not measured beside them"
+      return 0
+    elif [ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" = "$(realpath "$src")" ]; then
       held=$(git -C "$src" rev-parse HEAD 2>/dev/null || true)
+      if [ -n "$(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src has changes to its tracked files: the baseline's code is not measured beside them"
+        return 0
+      fi
     else
       held=$(cat "$src/.strata-commit" 2>/dev/null || true)
     fi

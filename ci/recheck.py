@@ -193,10 +193,8 @@ def main(argv=None):
         doc = sides[side][1] or {"context": {}, "benchmarks": []}
         if side == "reference":
             doc["context"]["strata_reference"] = args.reference_label or args.reference_bench
-            if args.reference_commit:
+            if args.reference_commit:  # else none: the gate pairs no reference of an unnamed commit
                 doc["context"]["strata_commit"] = args.reference_commit
-            else:
-                doc["context"].pop("strata_commit", None)  # not known: the gate will not pair it
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
     return status

@@ -255,7 +255,21 @@ STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate || { cat "$work/log"; 
   || fail "the gate phase ran more than the failing cell and the baseline's code: $(tr '\n' ',' < "$work/calls")"
 grep -q "the host, not the code" "$out/gate.txt" || fail "the gate phase did not gate the pair"
 STRATA_GPU_PHASES=gate bash "$work/repo/ci/gpu.sh" "$work/empty" > "$work/log" 2>&1 && fail "the gate phase passed on an empty folder"
-grep -q "no $work/empty/bench.json" "$work/log" || fail "the gate phase did not say what it lacked"
+grep -q "no finished bench phase" "$work/log" || fail "the gate phase did not say what it lacked"
+# ... nor on a run of other code (its cells would be measured again by this build), or one a later
+# matrix phase has begun to replace.
+echo "# changed" > "$work/repo/bench/changed.py"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate && fail "the gate phase gated a run of other code"
+grep -q "no finished bench phase of these settings and this code" "$work/log" && ! grep -q recheck "$work/calls" \
+  || fail "the gate phase measured a run of other code again"
+rm "$work/repo/bench/changed.py"
+job matrix || fail "the matrix phase exited non-zero"
+STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate && fail "the gate phase gated a run a matrix phase had begun to replace"
+# Phases it does not know, and gate beside another phase, are refused before anything runs.
+for phases in suite,gate gate,bench gates; do
+  job "$phases"; [ $? = 2 ] || fail "STRATA_GPU_PHASES=$phases was not refused"
+  [ ! -s "$work/calls" ] || fail "STRATA_GPU_PHASES=$phases ran something"
+done
 # From git: the baseline names a commit of the repository (one whose tree holds the reference
 # stand-in where its build would put strata_bench); gpu.sh unpacks it under build/reference/.
 cp "$work/repo/build/cuda/bench/strata_bench" "$work/this-bench"

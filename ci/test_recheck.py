@@ -83,7 +83,7 @@ open(args["benchmark_out"], "w").write(text)
 """
 
 
-def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=None):
+def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=None, commit="f" * 40):
     """recheck.main over `cells` with the stand-in: (status, output, JSON written, stand-in's calls),
     and with `reference` the stand-in again as the baseline's code (its calls marked REF, its JSON
     as the last item)."""
@@ -107,8 +107,8 @@ def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=Non
                     f.write(f'#!/bin/sh\nshift\n[ -n "$REF_NAME" ] && export STUB_NAME="$REF_NAME"\n'
                             f'exec {sys.executable} {stub} REF "$@"\n')
                 os.chmod(ref, 0o755)
-                argv += ["--reference-bench", ref, "--reference-out", ref_out, "--reference-label", "abc1234",
-                         "--reference-commit", "f" * 40]
+                argv += ["--reference-bench", ref, "--reference-out", ref_out, "--reference-label", "abc1234"]
+                argv += ["--reference-commit", commit] if commit else []
             if rounds is not None:
                 argv += ["--rounds", str(rounds)]
             status, text = quiet(recheck.main, argv + ["--", sys.executable, stub, "--benchmark_repetitions=2"])
@@ -170,7 +170,9 @@ def runs_the_baselines_code_beside_each_cell_in_alternating_order():
     assert [b["recheck_process"] for b in doc["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, doc
     assert [b["recheck_process"] for b in ref["benchmarks"]] == [1, 1, 2, 2, 3, 3, 4, 4] * 2, ref
     assert ref["context"]["strata_reference"] == "abc1234", ref["context"]
-    assert ref["context"]["strata_commit"] == "f" * 40 and "strata_commit" not in doc["context"], (ref, doc)
+    assert ref["context"]["strata_commit"] == "f" * 40, ref["context"]
+    status, text, doc, calls, ref = with_stub(["a/m"], reference=True, commit="")
+    assert "strata_commit" not in ref["context"], ref["context"]  # unnamed: the gate will not pair it
     status, text, doc, calls, ref = with_stub(["a/m"], reference=True, rounds=3)
     assert [c.startswith("REF ") for c in calls] == [True, False, False, True, True, False], calls
     status, text, doc, calls = with_stub(["a/m"])  # alone: one process, as before
