@@ -337,9 +337,9 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
                                + (f"; below {floor:.2f} x, which no spread excuses" if c.ratio < floor else ""))
     first = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in outcome)
     then = ", ".join(f"{c.key} {c.ratio:.3f} x" for c in paired)
-    record = ", ".join(f"{key} {ratio:.3f} x" for key, ratio in
-                       ((k, (median(reference["reps"], k) / median(base_rows, k)) if k == "items_per_second"
-                         else (median(base_rows, k) / median(reference["reps"], k))) for k, _ in checks))
+    # The baseline's code here against its own record: the same ratios, for the note.
+    record = ", ".join(f"{c.key} {c.ratio:.3f} x"
+                       for c in time_checks(name, base_rows, reference["reps"], checks, 0.0, 0.0, args, []))
     if any(c.failed for c in paired):
         notes.append(f"{name}: measured again beside the baseline's own code ({label}) on this host, it is slower "
                      f"than that code ({then}; in the run {first} the baseline): the code, not the host")
@@ -436,23 +436,23 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
         again = (recheck_cells or {}).get(name)
         if again is not None and any(c.failed for c in outcome):
             reference = (reference_cells or {}).get(name)
-            paired = None
             if own:
                 notes.append(f"{name}: its second reading is not used: the cell failed on more than time")
-            elif reference is not None and pair_refused:
-                notes.append(f"{name}: not paired: {pair_refused}")
-            elif reference is not None:
-                paired = paired_reading(name, outcome, again, reference, base["reps"], checks, args, notes, label)
-            elif reference_cells is not None:
-                notes.append(f"{name}: the baseline's own code was not measured beside it")
-            if paired is not None:
-                outcome = paired
-            elif own:
-                pass
-            elif not again_same_host:
-                notes.append(f"{name}: its second reading is not used: it ran on a host of another class than the run's")
             else:
-                outcome = second_reading(name, outcome, again, base["reps"], checks, now_us, base_us, args, notes)
+                paired = None
+                if reference is not None and pair_refused:
+                    notes.append(f"{name}: not paired: {pair_refused}")
+                elif reference is not None:
+                    paired = paired_reading(name, outcome, again, reference, base["reps"], checks, args, notes, label)
+                elif reference_cells is not None:
+                    notes.append(f"{name}: the baseline's own code was not measured beside it")
+                if paired is not None:
+                    outcome = paired
+                elif not again_same_host:
+                    notes.append(f"{name}: its second reading is not used: it ran on a host of another class than "
+                                 f"the run's")
+                else:
+                    outcome = second_reading(name, outcome, again, base["reps"], checks, now_us, base_us, args, notes)
         for c in outcome:
             table.append((name, c.key, c.ratio, c.threshold, c.reps, len(base["reps"])))
             if c.failed:

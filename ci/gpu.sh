@@ -33,7 +33,7 @@
 # checkout of it, or a folder with a .strata-commit file naming it, relative to the repository's
 # root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
 # commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
-# -dirty where tracked files differ from it),
+# -dirty where the checkout has any change),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
@@ -314,32 +314,33 @@ baseline="reports/baselines/$gpu_key.json"
 # into a shallow clone), unpacked under build/reference/. Only strata_bench is built, into the
 # sources' own build/cuda, its log in OUTDIR/reference-build.log.
 ref_bin="" ref_label="" ref_commit=""
+no_reference() { echo "ci/gpu.sh: $*: the baseline's code is not measured beside them"; }
 reference_bench() {
   local src=${STRATA_REFERENCE_SRC:-} commit held t0
   if [ "${STRATA_REFERENCE:-1}" = 0 ]; then
-    echo "ci/gpu.sh: STRATA_REFERENCE=0: the baseline's code is not measured beside them"; return 0
+    no_reference "STRATA_REFERENCE=0"; return 0
   fi
   commit=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"].get("strata_commit", ""))' \
     "$baseline" 2>/dev/null || true)
   if ! [[ $commit =~ ^[0-9a-f]{40}$ ]]; then
-    echo "ci/gpu.sh: $baseline names no clean commit (context strata_commit '${commit}'): the baseline's code is not measured beside them"
+    no_reference "$baseline names no clean commit (context strata_commit '${commit}')"
     return 0
   fi
   if [ -n "$src" ]; then
     if [ "$(realpath "$src" 2>/dev/null)" = "$(pwd -P)" ]; then
-      echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src is this checkout: the baseline's code is not measured beside them"
+      no_reference "STRATA_REFERENCE_SRC=$src is this checkout"
       return 0
     elif [ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" = "$(realpath "$src")" ]; then
       held=$(git -C "$src" rev-parse HEAD 2>/dev/null || true)
       if [ -n "$(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
-        echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src has changes to its tracked files: the baseline's code is not measured beside them"
+        no_reference "STRATA_REFERENCE_SRC=$src has changes to its tracked files"
         return 0
       fi
     else
       held=$(cat "$src/.strata-commit" 2>/dev/null || true)
     fi
     if [ "$held" != "$commit" ]; then
-      echo "ci/gpu.sh: STRATA_REFERENCE_SRC=$src holds commit '${held:-unnamed}' (a git checkout's HEAD, or its .strata-commit), not the baseline's $commit: the baseline's code is not measured beside them"
+      no_reference "STRATA_REFERENCE_SRC=$src holds commit '${held:-unnamed}' (a git checkout's HEAD, or its .strata-commit), not the baseline's $commit"
       return 0
     fi
     ref_label="${commit:0:12}, sources from $src"
@@ -349,7 +350,7 @@ reference_bench() {
         GIT_TERMINAL_PROMPT=0 timeout 300 git fetch -q --depth=1 origin "$commit" > /dev/null 2>&1 || true
       fi
       if ! git rev-parse -q --verify "$commit^{commit}" > /dev/null 2>&1; then
-        echo "ci/gpu.sh: the baseline's commit $commit is not in a git history here (STRATA_REFERENCE_SRC gives its sources): the baseline's code is not measured beside them"
+        no_reference "the baseline's commit $commit is not in a git history here (STRATA_REFERENCE_SRC gives its sources)"
         return 0
       fi
     fi
@@ -367,7 +368,7 @@ reference_bench() {
   if ! (cd "$src" && cmake --preset cuda && cmake --build --preset cuda -j "$(nproc)" --target strata_bench) \
       > "$outdir/reference-build.log" 2>&1; then
     tail -n 20 "$outdir/reference-build.log"
-    echo "ci/gpu.sh: the baseline's code did not build (reference-build.log): not measured beside them"; return 0
+    no_reference "the baseline's code did not build (reference-build.log)"; return 0
   fi
   [ -x "$src/build/cuda/bench/strata_bench" ] \
     || { echo "ci/gpu.sh: no $src/build/cuda/bench/strata_bench after its build"; return 0; }
