@@ -1515,6 +1515,20 @@ TEST(HookOffload, a_rows_part_that_fails_before_its_gather_leaves_the_whole_matr
   EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
 }
 
+// Two runs of the same steps, tied_early=0 then 1: the same loss and parameters after every step, to
+// the bit, and steps that moved something.
+static void expect_same_steps(const std::vector<double> (&losses)[2], const std::vector<NamedTensors> (&params)[2]) {
+  ASSERT_EQ(losses[0].size(), losses[1].size());
+  for (size_t i = 0; i < losses[0].size(); ++i) {
+    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
+    ASSERT_EQ(params[0][i].size(), params[1][i].size());
+    for (size_t k = 0; k < params[0][i].size(); ++k)
+      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
+          << "step " << i << ": " << params[0][i][k].first;
+  }
+  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+}
+
 // tied_early: the early copy reads the buffer the tied matrix's first part writes, so it must wait
 // for that part. Here every first part sleeps 50 ms on the host before its step, long past the end
 // of backward on these small models: steps with tied_early must still compute what tied_early=0's
@@ -1534,14 +1548,7 @@ TEST(HookOffload, an_early_tied_copy_waits_for_a_slow_first_part) {
       params[early].push_back(s->parameters());
     }
   }
-  for (size_t i = 0; i < losses[0].size(); ++i) {
-    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
-    ASSERT_EQ(params[0][i].size(), params[1][i].size());
-    for (size_t k = 0; k < params[0][i].size(); ++k)
-      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
-          << "step " << i << ": " << params[0][i][k].first;
-  }
-  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+  expect_same_steps(losses, params);
 }
 
 // tied_early: once a last use of the tied matrix was seen sparse, its early copy goes at the first
@@ -1578,14 +1585,7 @@ TEST(HookOffload, an_early_tied_copy_goes_during_backward_once_the_last_use_was_
       }
     }
   }
-  for (size_t i = 0; i < losses[0].size(); ++i) {
-    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
-    ASSERT_EQ(params[0][i].size(), params[1][i].size());
-    for (size_t k = 0; k < params[0][i].size(); ++k)
-      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
-          << "step " << i << ": " << params[0][i][k].first;
-  }
-  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+  expect_same_steps(losses, params);
 }
 
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on
