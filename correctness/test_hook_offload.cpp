@@ -1588,6 +1588,42 @@ TEST(HookOffload, an_early_tied_copy_goes_during_backward_once_the_last_use_was_
   expect_same_steps(losses, params);
 }
 
+// tied_early: a backward that fails between the head and the embedding, after the tied matrix's
+// first part ran, leaves that part's "done" behind (no rows part comes to reset it). The next step's
+// early copy must still wait for its own first part, here slow (50 ms, from the failing step on:
+// so the failing step sent none during its backward, and the matrix stays seen as sparse). Both
+// runs, tied_early 0 and 1, go through the same complete step, the failure and four steps after
+// it: the same losses and parameters, to the bit.
+TEST(HookOffload, an_early_tied_copy_after_a_failed_backward_waits_for_its_own_first_part) {
+  auto config = gpt(3, 8);
+  config.vocab = 64;
+  std::vector<double> losses[2];
+  std::vector<NamedTensors> params[2];
+  for (int early : {0, 1}) {
+    auto model = models::build_model(config, 0);
+    auto blocks = model.blocks();  // the embedding, three blocks, the head
+    torch::manual_seed(7);
+    auto failing = std::make_shared<test::FailingBlock>(config.width);
+    blocks[2] = failing;
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}, {"debug_poison", "1"}}, adamw());
+    s->attach(models::BlockModel(model.config(), blocks));
+    const auto batch = models::make_batch(config, 2, 1);
+    s->train_step(batch);  // the last use seen sparse
+    s->optimizer_step();
+    s->slow_first_parts(50ms);
+    failing->calls = 0;
+    failing->fail_after = 1;  // its forward runs; its recompute in backward throws, after the head's
+    EXPECT_THROW(s->train_step(batch), std::exception);
+    failing->fail_after = -1;
+    for (int step = 0; step < 4; ++step) {
+      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 2)));
+      s->optimizer_step();
+      params[early].push_back(s->parameters());
+    }
+  }
+  expect_same_steps(losses, params);
+}
+
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on
 // the host worker's thread, so their spans reach a trace only if the worker runs them in the
 // state of the thread that queued them (strata_compare --profile-steps relies on it). A callback

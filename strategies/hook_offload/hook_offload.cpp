@@ -114,8 +114,10 @@ struct HookOffload::Unit {
   /// last use's touched rows from the same start. Once that is queued they are the master, and the
   /// old master the next step's spare.
   torch::Tensor spare_param, spare_travel;
-  /// The host worker's own: this step's first part ran to its end. A rows part after one that did
-  /// not takes the whole step instead of the rows alone.
+  /// Written by the host worker: this step's first part ran to its end. A rows part after one that
+  /// did not takes the whole step instead of the rows alone. Read on the main thread only once
+  /// first_part_ended is open: a backward that failed after a first part leaves it true into the
+  /// next step, until that step's own first part writes it again.
   bool first_part_done = false;
   /// Opens once this step's first part has ended, whether it ran or failed (null before one is queued).
   std::shared_ptr<device::Gate> first_part_ended;
@@ -600,20 +602,20 @@ void HookOffload::sample_backward_memory() {
 }
 
 void HookOffload::before_compute(int64_t block, bool backward) {
-  if (backward) send_early_if_ready();
   hold_window(block);
   prefetch_from(block, backward);  // queued behind this block's fetch, overlapping its compute
-  if (backward) sample_backward_memory();
+  if (backward) {
+    sample_backward_memory();
+    send_early_if_ready();  // behind the fetches this block and the next ones wait for, and once the
+                            // last block's window has gone (the head's, which holds the matrix too)
+  }
   wait_for_window(block);
   compute_.compute_point();
 }
 
 void HookOffload::after_compute(int64_t block, bool backward) {
   // opening=fit: the block's window and gradients are still held.
-  if (backward) {
-    sample_backward_memory();
-    send_early_if_ready();
-  }
+  if (backward) sample_backward_memory();
   if (!backward && merged(block)) return;  // stays for its backward
   if (options_.debug_release_late) {
     if (released_late_ >= 0) drop_window(released_late_, !backward);
@@ -787,7 +789,10 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   if (options_.overlap_optimizer) {
     unit.early_wanted = false;
     const bool sent = std::exchange(unit.early_in_backward, false);
-    if (dense && sent) drop_early(unit);  // it lacks the rows this step takes again: the next fetch sends the whole
+    // A copy sent during backward lacks the rows this step takes again; dense, they are all rows:
+    // the next fetch sends the whole. The copy may still be reading the buffer the rows part is about
+    // to write, unwaited: what it brings is dropped with it (its device buffer is reused only behind it).
+    if (dense && sent) drop_early(unit);
     if (!dense) unit.sparse_seen = true;
     if (!dense && (sent || queue_early_copy(unit))) {
       unit.early_touched = touched;
@@ -951,19 +956,20 @@ bool HookOffload::start_early_copy(Unit& unit) {
   try {
     device::Stream::Guard on_h2d(h2d_);  // allocated on the stream that writes it, as acquire() does
     unit.early_flat = torch::empty({unit.numel}, unit.device_flat.options());
-    if (options_.debug_poison) {
-      torch::NoGradGuard no_grad;
-      unit.early_flat.fill_(std::numeric_limits<float>::quiet_NaN());
-    }
   } catch (const c10::OutOfMemoryError&) {  // the matrix's second device copy does not fit: fetched whole
     unit.early_flat = torch::Tensor();
     return false;
   }
+  resident_bytes_ += unit.bytes;  // counted as it exists: drop_early takes them off, whatever throws next
+  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
+  if (options_.debug_poison) {
+    device::Stream::Guard on_h2d(h2d_);
+    torch::NoGradGuard no_grad;
+    unit.early_flat.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
   h2d_.copy(unit.early_flat, unit.early_source);  // transfer=fp32 under bf16: cast on arrival
   unit.early_loaded = h2d_.record();
   bytes_h2d_ += unit.travel_bytes;
-  resident_bytes_ += unit.bytes;
-  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
   return true;
 }
 
@@ -1216,6 +1222,9 @@ double HookOffload::train_step(const models::Batch& batch) {
         // A first use already on the host, its last use never came: that host gradient is this
         // step's alone (a first use is sent only when the unit held none), so it is dropped.
         if (std::exchange(unit.first_use_sent, false)) unit.grad_filled = false;
+        // A copy sent during this backward may be what left too little memory: from now on it
+        // goes at backward's end again, as before any sparse last use was seen.
+        if (unit.early_in_backward) unit.sparse_seen = false;
         drop_early(unit);  // its rows part may not have come; the next fetch sends the master whole
         unit.early_wanted = false;
       }

@@ -214,7 +214,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_early: each backward block boundary waits for a first part whose early copy is wanted
   /// (tests: the copy surely goes during backward, however loaded the machine).
   void await_first_parts_in_backward(bool on) { first_parts_awaited_ = on; }
-  /// tied_early: early copies sent at a backward block boundary rather than at the end of backward.
+  /// tied_early: early copies sent at a backward block boundary rather than at the end of backward,
+  /// since attach (reset_stats does not reset it).
   int64_t early_copies_in_backward() const { return early_copies_in_backward_; }
 
   // WindowedRunner: called by the per-block autograd function.
