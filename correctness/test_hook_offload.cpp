@@ -114,10 +114,10 @@ int64_t opening_bytes(const models::BlockModel& m, int64_t last) {
 }
 
 // tied_early (an option of the overlapped optimizer): a tied matrix whose last use touches at
-// most half its rows goes to the device whole at the end of each backward, as the step from its
-// first use left it, and the next forward's fetch of it sends only the rows the batch's distinct
-// tokens touched. Both counted from the model and the batch (zero when nothing is tied, or the last
-// use is dense).
+// most half its rows goes to the device whole during each backward (at its end in the first step,
+// before any last use was seen), as the step from its first use left it, and the next forward's
+// fetch of it sends only the rows the batch's distinct tokens touched. Both counted from the model
+// and the batch (zero when nothing is tied, or the last use is dense).
 struct EarlyBytes {
   int64_t matrix = 0, rows = 0;
 };
@@ -536,8 +536,8 @@ TEST(HookOffload, bytes_moved_per_step_equal_the_analytic_count) {
       const int64_t inputs = batch.input.nbytes() + batch.target.nbytes();
       const std::string where =
           mode + " vocab=" + std::to_string(vocab) + " prefetch=" + std::to_string(prefetch) + " carry_tied=" + std::to_string(carry);
-      // With tied_early the tied matrix also goes to the device at backward's end when its last use
-      // is sparse, and the next forward's fetch of it then sends only the rows.
+      // With tied_early the tied matrix also goes to the device (at backward's end in this first
+      // step) when its last use is sparse, and the next forward's fetch of it then sends only the rows.
       const auto early = sent_early ? tied_early_bytes(s->model(), batch) : EarlyBytes{};
       if (sent_early && vocab == 64) {
         EXPECT_GT(early.matrix, 0) << where;
@@ -1277,15 +1277,19 @@ namespace {
 
 // The chain of `spec` with its block `at` (counting the input layer as 0) replaced by a 4-wide
 // FailingBlock, built the same way each time; `failing`, when given, receives it.
-models::BlockModel with_failing_block(const correctness::ChainSpec& spec, size_t at,
+/// `model` with block `at` replaced by a FailingBlock of `width` (seeded: the same each call).
+models::BlockModel with_failing_block(const models::BlockModel& model, size_t at, int64_t width,
                                       std::shared_ptr<test::FailingBlock>* failing) {
-  auto model = spec.build(0);
   auto blocks = model.blocks();
   torch::manual_seed(7);
-  auto f = std::make_shared<test::FailingBlock>(4);
+  auto f = std::make_shared<test::FailingBlock>(width);
   if (failing) *failing = f;
   blocks[at] = f;
   return models::BlockModel(model.config(), blocks);
+}
+models::BlockModel with_failing_block(const correctness::ChainSpec& spec, size_t at,
+                                      std::shared_ptr<test::FailingBlock>* failing) {
+  return with_failing_block(spec.build(0), at, 4, failing);
 }
 
 // fetch_order=ready: a forward that fails while a fetch waits, unqueued, for its unit's update lets
@@ -1515,6 +1519,20 @@ TEST(HookOffload, a_rows_part_that_fails_before_its_gather_leaves_the_whole_matr
   EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
 }
 
+// Two runs of the same steps, tied_early=0 then 1: the same loss and parameters after every step, to
+// the bit, and steps that moved something.
+static void expect_same_steps(const std::vector<double> (&losses)[2], const std::vector<NamedTensors> (&params)[2]) {
+  ASSERT_EQ(losses[0].size(), losses[1].size());
+  for (size_t i = 0; i < losses[0].size(); ++i) {
+    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
+    ASSERT_EQ(params[0][i].size(), params[1][i].size());
+    for (size_t k = 0; k < params[0][i].size(); ++k)
+      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
+          << "step " << i << ": " << params[0][i][k].first;
+  }
+  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+}
+
 // tied_early: the early copy reads the buffer the tied matrix's first part writes, so it must wait
 // for that part. Here every first part sleeps 50 ms on the host before its step, long past the end
 // of backward on these small models: steps with tied_early must still compute what tied_early=0's
@@ -1534,14 +1552,76 @@ TEST(HookOffload, an_early_tied_copy_waits_for_a_slow_first_part) {
       params[early].push_back(s->parameters());
     }
   }
-  for (size_t i = 0; i < losses[0].size(); ++i) {
-    EXPECT_EQ(losses[0][i], losses[1][i]) << "step " << i;
-    ASSERT_EQ(params[0][i].size(), params[1][i].size());
-    for (size_t k = 0; k < params[0][i].size(); ++k)
-      EXPECT_TRUE(torch::equal(params[0][i][k].second, params[1][i][k].second))
-          << "step " << i << ": " << params[0][i][k].first;
+  expect_same_steps(losses, params);
+}
+
+// tied_early: once a last use of the tied matrix was seen sparse, its early copy goes at the first
+// backward block boundary after the first part has ended (here each boundary waits for that part,
+// so it surely has), not at the end of backward, where the rows part had to wait for the copy's
+// read of its buffer. None in the first step (nothing seen yet), one in each step after; the same
+// bytes cross the link as when it goes at the end; and the steps compute what tied_early=0's do, to
+// the bit, with every fetched buffer poisoned first.
+TEST(HookOffload, an_early_tied_copy_goes_during_backward_once_the_last_use_was_sparse) {
+  auto config = gpt(3, 8);
+  config.vocab = 64;  // 16 tokens touch at most a quarter of the rows
+  const auto base = adamw();
+  std::vector<double> losses[2];
+  std::vector<NamedTensors> params[2];
+  for (int early : {0, 1}) {
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}, {"debug_poison", "1"}}, base);
+    s->attach(models::build_model(config, 0));
+    s->await_first_parts_in_backward(true);
+    int64_t h2d_first = 0;
+    for (int step = 0; step < 4; ++step) {
+      const auto batch = models::make_batch(config, 2, 1);  // the same tokens: the same bytes each step
+      s->reset_stats();
+      losses[early].push_back(s->train_step(batch));
+      const auto h2d = s->stats().bytes_h2d;
+      s->optimizer_step();
+      params[early].push_back(s->parameters());
+      const std::string where = "tied_early=" + std::to_string(early) + ", step " + std::to_string(step);
+      EXPECT_EQ(s->early_copies_in_backward(), early ? step : 0) << where;
+      if (early) {
+        const auto bytes = tied_early_bytes(s->model(), batch);
+        ASSERT_GT(bytes.matrix, 0) << where;
+        if (step == 0) h2d_first = h2d;  // the whole matrix fetched, and sent early at backward's end
+        else EXPECT_EQ(h2d, h2d_first - bytes.matrix + bytes.rows) << where << ": its rows fetched, the matrix sent early";
+      }
+    }
   }
-  EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
+  expect_same_steps(losses, params);
+}
+
+// tied_early: a backward that fails between the head and the embedding, after the tied matrix's
+// first part ran, leaves that part's "done" behind (no rows part comes to reset it). The next step's
+// early copy must still wait for its own first part, here slow (50 ms, from the failing step on:
+// so the failing step sent none during its backward, and the matrix stays seen as sparse). Both
+// runs, tied_early 0 and 1, go through the same complete step, the failure and four steps after
+// it: the same losses and parameters, to the bit.
+TEST(HookOffload, an_early_tied_copy_after_a_failed_backward_waits_for_its_own_first_part) {
+  auto config = gpt(3, 8);
+  config.vocab = 64;
+  std::vector<double> losses[2];
+  std::vector<NamedTensors> params[2];
+  for (int early : {0, 1}) {
+    std::shared_ptr<test::FailingBlock> failing;  // in place of the second of three blocks
+    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}, {"debug_poison", "1"}}, adamw());
+    s->attach(with_failing_block(models::build_model(config, 0), 2, config.width, &failing));
+    const auto batch = models::make_batch(config, 2, 1);
+    s->train_step(batch);  // the last use seen sparse
+    s->optimizer_step();
+    s->slow_first_parts(50ms);
+    failing->calls = 0;
+    failing->fail_after = 1;  // its forward runs; its recompute in backward throws, after the head's
+    EXPECT_THROW(s->train_step(batch), std::exception);
+    failing->fail_after = -1;
+    for (int step = 0; step < 4; ++step) {
+      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 2)));
+      s->optimizer_step();
+      params[early].push_back(s->parameters());
+    }
+  }
+  expect_same_steps(losses, params);
 }
 
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on

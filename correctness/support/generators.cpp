@@ -107,7 +107,7 @@ namespace {
 // sent as the head's and the embedding's touched rows, or summed on the device (tied_rows 1 or 0,
 // or the variant's own default); with the overlapped optimizer, a fetch waiting for its update
 // letting updated units' fetches go first (the default) or all of them in forward order, and a
-// tied matrix sent whole at its fetch (the default) or to the device at backward's end with only
+// tied matrix sent whole at its fetch (the default) or to the device during backward with only
 // its rows at the next fetch (tied_early=1); a block's gradients sent in parts during its backward
 // or all at its end (grads_early 1 or 0, or auto: 1 in fp32);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches

@@ -114,8 +114,10 @@ struct HookOffload::Unit {
   /// last use's touched rows from the same start. Once that is queued they are the master, and the
   /// old master the next step's spare.
   torch::Tensor spare_param, spare_travel;
-  /// The host worker's own: this step's first part ran to its end. A rows part after one that did
-  /// not takes the whole step instead of the rows alone.
+  /// Written by the host worker: this step's first part ran to its end. A rows part after one that
+  /// did not takes the whole step instead of the rows alone. Read on the main thread only once
+  /// first_part_ended is open: a backward that failed after a first part leaves it true into the
+  /// next step, until that step's own first part writes it again.
   bool first_part_done = false;
   /// Opens once this step's first part has ended, whether it ran or failed (null before one is queued).
   std::shared_ptr<device::Gate> first_part_ended;
@@ -128,6 +130,13 @@ struct HookOffload::Unit {
   std::shared_ptr<device::Gate> early_rows_gathered;
   /// The unit's device buffer is the early one, handed over by acquire(): its fetch sends the rows alone.
   bool early_rows_next = false;
+  /// tied_early: a last use of the unit was sparse, so from then on its early copy is wanted as
+  /// soon as the first part has ended (early_wanted, set when the first part is queued), not only at
+  /// the end of backward.
+  bool sparse_seen = false, early_wanted = false;
+  /// tied_early: this step's early copy went during backward and its rows part is not queued yet
+  /// (the rows part's gather gate is made when it is).
+  bool early_sent_in_backward() const { return early_flat.defined() && !early_rows_gathered; }
   /// grads_early: gradient parts of the running backward waiting to go to host_grad, at these
   /// offsets, and their bytes.
   std::vector<torch::Tensor> early_parts;
@@ -366,7 +375,9 @@ void HookOffload::queue_copy(Unit& unit) {
     h2d_.copy(unit.device_flat, travelling(unit));  // transfer=fp32 under bf16: cast on arrival
     bytes_h2d_ += unit.travel_bytes;
   }
-  drop_early(unit);  // used, or superseded by a copy of the latest master whole
+  // Used, or superseded by a copy of the latest master whole; but one sent during this backward is
+  // for the next forward: backward's own fetch of the unit reads the master its step started from.
+  if (!unit.early_sent_in_backward()) drop_early(unit);
   unit.loaded = h2d_.record();
   unit.stale = false;
   if (fetch_observer_) fetch_observer_(unit.first_use);
@@ -404,12 +415,14 @@ void HookOffload::acquire(Unit& unit) {
     ++unit.references;
     return;
   }
-  if (unit.early_flat.defined()) {
+  if (unit.early_flat.defined() && unit.early_rows_gathered) {
     // tied_early: the matrix went to a buffer of its own during the last backward; that memory
     // becomes the unit's (allocated on the copy stream, as below), and its fetch sends the rows
     // whose step came after. Its bytes were counted when it was allocated. As in release(), the
     // copy into it must have run before its memory moves (on the CPU a queued copy writes
-    // through the tensor when it runs; a CUDA copy was queued with its address).
+    // through the tensor when it runs; a CUDA copy was queued with its address). Not before its
+    // rows part is queued: a backward that fetches the unit after the early copy went reads the
+    // master its step started from, and the early buffer waits for the next forward.
     compute_.wait(unit.early_loaded);
     compat::take_storage(unit.device_flat.storage(), unit.early_flat.storage());
     unit.early_flat = torch::Tensor();
@@ -594,7 +607,11 @@ void HookOffload::sample_backward_memory() {
 void HookOffload::before_compute(int64_t block, bool backward) {
   hold_window(block);
   prefetch_from(block, backward);  // queued behind this block's fetch, overlapping its compute
-  if (backward) sample_backward_memory();
+  if (backward) {
+    sample_backward_memory();
+    send_early_if_ready();  // behind the fetches this block and the next ones wait for, and once the
+                            // last block's window has gone (the head's, which holds the matrix too)
+  }
   wait_for_window(block);
   compute_.compute_point();
 }
@@ -773,7 +790,14 @@ void HookOffload::send_rows(Unit& unit, const torch::Tensor& flat) {
   bytes_d2h_ += values.nbytes() + touched.nbytes();
   last_copy_ = d2h_.record();
   if (options_.overlap_optimizer) {
-    if (!dense && queue_early_copy(unit)) {
+    unit.early_wanted = false;
+    const bool sent = unit.early_sent_in_backward();
+    // A copy sent during backward lacks the rows this step takes again; dense, they are all rows:
+    // the next fetch sends the whole. The copy may still be reading the buffer the rows part is about
+    // to write, unwaited: what it brings is dropped with it (its device buffer is reused only behind it).
+    if (dense && sent) drop_early(unit);
+    if (!dense) unit.sparse_seen = true;
+    if (!dense && (sent || queue_early_copy(unit))) {
       unit.early_touched = touched;
       unit.early_touched_made = compute_.record();
       unit.early_staging = device::host_buffer({n, cols}, config_.precision.transfer, config_.device);
@@ -876,22 +900,33 @@ void HookOffload::queue_first_part(Unit& unit) {
   update.part = ReadyUpdate::Part::first;
   update.done = unit.first_part_ended = std::make_shared<device::Gate>();  // opened however it ends
   unit.early_source = update.to_travel.defined() ? update.to_travel : update.to;
+  unit.early_wanted = options_.tied_early && unit.sparse_seen && !held_by_resident(unit);
   push_update(std::move(update));
 }
 
-bool HookOffload::queue_early_copy(Unit& unit) {
-  drop_early(unit);  // (one the last forward never took)
-  if (!options_.tied_early || !unit.first_part_ended) return false;
-  // A unit some resident block holds keeps its device copy, refreshed whole.
-  if (std::any_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; })) return false;
+bool HookOffload::held_by_resident(const Unit& unit) const {
+  return std::any_of(unit.uses.begin(), unit.uses.end(), [&](int64_t b) { return permanent_[b]; });
+}
+
+void HookOffload::send_early_if_ready() {
+  for (auto& unit : units_) {
+    if (!unit.early_wanted) continue;
+    if (first_parts_awaited_) await_first_part(unit);
+    if (!unit.first_part_ended->is_open()) continue;  // not yet: looked at again at the next boundary
+    unit.early_wanted = false;
+    // A first part that failed leaves the buffer unwritten: the rows part takes the whole step.
+    if (unit.first_part_done && start_early_copy(unit)) ++early_copies_in_backward_;
+  }
+}
+
+bool HookOffload::await_first_part(Unit& unit) {
   bool held = step_copies_held_ || step_update_hold_;
   {
     std::lock_guard<std::mutex> lock(ready_mutex_);
     held = held || unit_hold_;
   }
-  // The first part is the first update the host takes once the head's gradient has landed, so it
-  // has normally ended long before the embedding's backward. A test's hold would keep it from ever
-  // ending here: then only one that already has counts. So would an update that failed.
+  // A test's hold would keep it from ever ending here: then only one that already has counts. So
+  // would an update that failed.
   while (!unit.first_part_ended->is_open()) {
     if (held) return false;
     {
@@ -900,23 +935,40 @@ bool HookOffload::queue_early_copy(Unit& unit) {
     }
     unit.first_part_ended->wait_for(std::chrono::milliseconds(1));
   }
+  return true;
+}
+
+bool HookOffload::queue_early_copy(Unit& unit) {
+  drop_early(unit);  // (one the last forward never took)
+  if (!options_.tied_early || !unit.first_part_ended) return false;
+  // A unit some resident block holds keeps its device copy, refreshed whole.
+  if (held_by_resident(unit)) return false;
+  // The first part is the first update the host takes once the head's gradient has landed, so it
+  // has normally ended long before the embedding's backward.
+  if (!await_first_part(unit)) return false;
   if (!unit.first_part_done) return false;  // it failed: the rows part takes the whole step
+  return start_early_copy(unit);
+}
+
+bool HookOffload::start_early_copy(Unit& unit) {
+  drop_early(unit);  // one the last forward never took
   try {
     device::Stream::Guard on_h2d(h2d_);  // allocated on the stream that writes it, as acquire() does
     unit.early_flat = torch::empty({unit.numel}, unit.device_flat.options());
-    if (options_.debug_poison) {
-      torch::NoGradGuard no_grad;
-      unit.early_flat.fill_(std::numeric_limits<float>::quiet_NaN());
-    }
   } catch (const c10::OutOfMemoryError&) {  // the matrix's second device copy does not fit: fetched whole
     unit.early_flat = torch::Tensor();
     return false;
   }
+  resident_bytes_ += unit.bytes;  // counted as it exists: drop_early takes them off, whatever throws next
+  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
+  if (options_.debug_poison) {
+    device::Stream::Guard on_h2d(h2d_);
+    torch::NoGradGuard no_grad;
+    unit.early_flat.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
   h2d_.copy(unit.early_flat, unit.early_source);  // transfer=fp32 under bf16: cast on arrival
   unit.early_loaded = h2d_.record();
   bytes_h2d_ += unit.travel_bytes;
-  resident_bytes_ += unit.bytes;
-  peak_bytes_ = std::max(peak_bytes_, resident_bytes_);
   return true;
 }
 
@@ -1168,7 +1220,11 @@ double HookOffload::train_step(const models::Batch& batch) {
         // A first use already on the host, its last use never came: that host gradient is this
         // step's alone (a first use is sent only when the unit held none), so it is dropped.
         if (std::exchange(unit.first_use_sent, false)) unit.grad_filled = false;
+        // A copy sent during this backward may be what left too little memory: from now on it
+        // goes at backward's end again, as before any sparse last use was seen.
+        if (unit.early_sent_in_backward()) unit.sparse_seen = false;
         drop_early(unit);  // its rows part may not have come; the next fetch sends the master whole
+        unit.early_wanted = false;
       }
       try {
         host_.drain();
@@ -1443,8 +1499,9 @@ static const OptionDocumenter hook_offload_docs(
       "use's only the rows it touched (with overlap_optimizer the host steps the matrix from the first at once, into a "
       "second copy, and the touched rows again when they land); 0: the two are summed on the device and travel once"},
      {"tied_early", "0/1",
-      "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device at the end of "
-      "backward, and the next forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
+      "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device during "
+      "backward, once that step has ended (at backward's end until a batch touched at most half its rows), and the next "
+      "forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
      {"grads_early", "auto, 1, 0",
       "a block's own gradients go to the host in parts while its backward runs, a quarter of the block's gradient bytes "
       "at a time (1), or all at once when the backward has ended (0); auto: 1 where the compute dtype is fp32"},

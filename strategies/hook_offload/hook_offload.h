@@ -75,11 +75,16 @@ struct HookOffloadOptions {
   /// rows' step taken twice. false: the uses' gradients are summed on the device and travel once.
   bool tied_rows = true;
   /// tied_early, with tied_rows and overlap_optimizer: the matrix as the first use's step left it
-  /// goes to the device at the end of backward, beside the host's last updates, and the next
-  /// fetch sends only the touched rows once their step has run (gpt-871m: 59 of 262 MB at the
-  /// step's boundary), for the matrix's device bytes held from then to the next forward. Off by
-  /// default: paired on three H200 hosts it moved gpt-871m's overlapped step by -6.3, -0.8 and +2.7
-  /// ms (two intervals across 0) and cost gpt-medium's +0.8 and +1.5 ms (bench/NOTES.md).
+  /// goes to the device, and the next fetch sends only the touched rows once their step has run
+  /// (gpt-871m: 59 of 262 MB at the step's boundary), for the matrix's device bytes held from then
+  /// to the next forward. The copy goes at the first backward block boundary after the first part
+  /// has ended, once a last use of the matrix was seen sparse (so not in the first step, which
+  /// sends it at the end of backward; a last use that turns dense after that wastes one copy). Off by
+  /// default: sent at the end of backward it held the rows part behind its read of the buffer; so
+  /// paired on three H200 hosts it moved gpt-871m's overlapped step by -6.3, -0.8 and +2.7 ms (two
+  /// intervals across 0) and cost gpt-medium's +0.8 and +1.5 ms (bench/NOTES.md). Sent during
+  /// backward: gpt-871m -3.3 ms, gpt-medium within noise (its forward then waits for the host's
+  /// last block updates instead), so still off.
   bool tied_early = false;
   /// A block's own gradients go to the host in parts while its backward runs, each part once
   /// autograd has produced a quarter of the unit's gradient bytes (its last at the block's end),
@@ -155,8 +160,8 @@ class HookOffload : public Strategy, public WindowedRunner {
 
   /// Offloaded parameter bytes on the device now (resident blocks not counted): after train_step or
   /// forward none; after optimizer_step (overlap_optimizer=0) the `opening` windows. With
-  /// overlap_optimizer and tied_early, from the end of backward to the next forward's first use of
-  /// it, a tied matrix whose last use was sparse.
+  /// overlap_optimizer and tied_early, from the end of backward (or the backward block boundary
+  /// that sent it) to the next forward's first use of it, a tied matrix whose last use was sparse.
   int64_t offloaded_bytes_on_device() const;
   /// The windows the last optimizer_step fetched for the next forward (or found resident), fewer
   /// than planned if a fetch ran out of memory; 0 before the first.
@@ -207,6 +212,12 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_rows with overlap_optimizer: every first part sleeps `delay` on the host before its step
   /// (tests: a first part still running when backward ends; what copies its buffer must wait).
   void slow_first_parts(std::chrono::milliseconds delay) { first_part_delay_ms_ = delay.count(); }
+  /// tied_early: each backward block boundary waits for a first part whose early copy is wanted
+  /// (tests: the copy surely goes during backward, however loaded the machine).
+  void await_first_parts_in_backward(bool on) { first_parts_awaited_ = on; }
+  /// tied_early: early copies sent at a backward block boundary rather than at the end of backward,
+  /// since attach (reset_stats does not reset it).
+  int64_t early_copies_in_backward() const { return early_copies_in_backward_; }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -253,6 +264,17 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_early: once this step's first part has run (waited for, unless a test holds updates or
   /// copies), the buffer it wrote is queued to a device buffer of its own; false if not.
   bool queue_early_copy(Unit& unit);
+  /// tied_early: at a backward block boundary, the early copy of each unit that wants one and whose
+  /// first part has ended (without waiting for one still running, unless a test asks).
+  void send_early_if_ready();
+  /// Waits for this step's first part of the unit to end; false if a test's hold or a failed
+  /// update keeps it from ending.
+  bool await_first_part(Unit& unit);
+  /// The early copy itself: the first part's buffer to a device buffer of its own; false if that
+  /// does not fit.
+  bool start_early_copy(Unit& unit);
+  /// A unit some resident block holds (it keeps its device copy, refreshed whole).
+  bool held_by_resident(const Unit& unit) const;
   /// Forgets a unit's early copy (a full fetch or a failed step supersedes it).
   void drop_early(Unit& unit);
   /// A part of the unit's step from its master into its spare buffers.
@@ -362,6 +384,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
   std::atomic<bool> fail_next_gather_{false};       ///< fail_next_gather
   std::atomic<int64_t> first_part_delay_ms_{0};      ///< slow_first_parts
+  bool first_parts_awaited_ = false;                 ///< await_first_parts_in_backward
+  int64_t early_copies_in_backward_ = 0;             ///< early_copies_in_backward
   std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
   bool step_in_flight_ = false;  ///< overlap mode: gradients of this step are being applied
   bool step_copies_held_ = false;  ///< this step's gradient copies wait for a test's gate (hold_gradient_copies)
