@@ -861,6 +861,8 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"opening", "fit"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=fit needs overlap_optimizer=0"));
   EXPECT_THAT(error_of({{"opening", "fits"}}), HasSubstr("opening='fits'"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
+  EXPECT_THAT(error_of({{"tied_chunks", "0"}}), HasSubstr("tied_chunks=0 must be 1"));
+  EXPECT_THAT(error_of({{"tied_chunks", "4x"}}), HasSubstr("tied_chunks='4x'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));
   EXPECT_THAT(error_of({{"resident_updates", "gpu"}}), HasSubstr("resident_updates='gpu'"));
@@ -1622,6 +1624,38 @@ TEST(HookOffload, an_early_tied_copy_after_a_failed_backward_waits_for_its_own_f
     }
   }
   expect_same_steps(losses, params);
+}
+
+// tied_chunks: the tied matrix's first-use gradient goes to the host in row ranges and the first
+// part steps each range once its copy has landed. Every copy is delayed 10 ms here, so the later
+// ranges land well after the first part has started: a part that stepped a range before its copy
+// landed would read the previous step's gradient there. The steps equal tied_chunks=1's to the
+// bit (loss and parameters after each of four steps), with fp32 and with bf16 compute (whose
+// first part also writes the bf16 copy that travels), with and without tied_early; and the ranges
+// did go (one ranged first part a step).
+TEST(HookOffload, a_tied_first_part_in_row_ranges_steps_each_range_once_it_has_landed) {
+  device::ScopedDelays delays({10ms, 0ms});
+  const auto config = gpt(2, 8, 64);
+  for (const std::string precision : {"fp32", "bf16"}) {
+    for (const std::string early : {"0", "1"}) {
+      std::vector<double> losses[2];
+      std::vector<NamedTensors> params[2];
+      for (int ranged : {0, 1}) {
+        auto base = adamw();
+        base.precision = PrecisionPolicy::parse(precision);
+        auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", early}, {"tied_chunks", ranged ? "4" : "1"}}, base);
+        s->attach(models::build_model(config, 0));
+        for (int step = 0; step < 4; ++step) {
+          losses[ranged].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
+          s->optimizer_step();
+          params[ranged].push_back(s->parameters());
+        }
+        EXPECT_EQ(s->ranged_first_parts(), ranged ? 4 : 0) << precision << ", tied_early=" << early;
+      }
+      SCOPED_TRACE(precision + ", tied_early=" + early);
+      expect_same_steps(losses, params);
+    }
+  }
 }
 
 // A profiler records through thread-local RecordFunction callbacks: the overlapped updates run on

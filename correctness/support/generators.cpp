@@ -108,8 +108,9 @@ namespace {
 // or the variant's own default); with the overlapped optimizer, a fetch waiting for its update
 // letting updated units' fetches go first (the default) or all of them in forward order, and a
 // tied matrix sent whole at its fetch (the default) or to the device during backward with only
-// its rows at the next fetch (tied_early=1); a block's gradients sent in parts during its backward
-// or all at its end (grads_early 1 or 0, or auto: 1 in fp32);
+// its rows at the next fetch (tied_early=1), and the head's gradient of that matrix sent whole or in
+// 2 to 8 row ranges, each stepped as it lands (tied_chunks); a block's gradients sent in parts
+// during its backward or all at its end (grads_early 1 or 0, or auto: 1 in fp32);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -122,7 +123,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
     return rc::gen::apply(
         [with_prefetch, blocks](int prefetch, bool keep, bool merge_last, int resident, int opening, int lead, bool carry,
                                 int resident2, bool on_device, bool recompute_resident, int tied_rows, bool in_order, bool early,
-                                int grads) {
+                                int grads, int chunks) {
           Options o{{"activations", keep ? "keep" : "recompute"}, {"merge_last", merge_last ? "1" : "0"}};
           if (!carry) o["carry_tied"] = "0";
           if (tied_rows >= 0) o["tied_rows"] = std::to_string(tied_rows);
@@ -140,6 +141,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
           if (in_order) o["fetch_order"] = "in_order";
           if (early) o["tied_early"] = "1";
           if (grads >= 0) o["grads_early"] = std::to_string(grads);  // 1 under bf16 too, where auto is 0
+          if (chunks >= 0) o["tied_chunks"] = std::to_string(chunks);
           return o;
         },
         uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), sometimes(uniform<int>(0, blocks)),
@@ -150,7 +152,8 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
         rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<int>({{1, rc::gen::just(-1)}, {2, uniform<int>(0, 2)}}),
         rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}),
         rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}),
-        rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, uniform<int>(0, 2)}}));
+        rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, uniform<int>(0, 2)}}),
+        rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, uniform<int>(2, 9)}}));
   };
 }
 

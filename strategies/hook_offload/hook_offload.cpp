@@ -37,6 +37,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
   o.tied_early = reader.get_bool("tied_early", o.tied_early);
+  o.tied_chunks = reader.get_int("tied_chunks", o.tied_chunks);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
@@ -63,6 +64,7 @@ void HookOffloadOptions::validate() const {
                "hook_offload: opening=" << (opening == kOpeningFit ? std::string("fit") : std::to_string(opening))
                                         << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
                                            "optimizer_step)");
+  STRATA_CHECK(tied_chunks >= 1, "hook_offload: tied_chunks=" << tied_chunks << " must be 1 (one copy) or more");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
   STRATA_CHECK(!recompute_resident || !resident.empty(),
                "hook_offload: resident_activations=recompute recomputes resident blocks, and resident names none; "
@@ -143,6 +145,10 @@ struct HookOffload::Unit {
   std::vector<int64_t> early_offsets;
   int64_t early_part_bytes = 0;
   bool first_use_sent = false;  ///< this step's first use went to the host; the last use's rows follow
+  /// tied_chunks: the first use's gradient went as row ranges [bounds[k], bounds[k + 1]), range k
+  /// landed once landed_ranges[k] has passed; handed to the first part when it is queued.
+  std::vector<device::Event> landed_ranges;
+  std::vector<int64_t> range_bounds;
   int64_t first_use = 0;        ///< the first block whose window holds this unit (forward order)
   std::vector<int64_t> uses;    ///< the blocks whose windows hold this unit, in forward order
   /// carry_tied: the block whose window, once held, takes over the reference this unit keeps from
@@ -183,6 +189,11 @@ struct HookOffload::ReadyUpdate {
   torch::Tensor staging;                      ///< rows, tied_early: takes the stepped rows (transfer dtype)
   std::shared_ptr<device::Gate> gathered;     ///< rows, tied_early: opened once staging holds them
   device::Event source_read;                  ///< rows, tied_early: the early copy has read the buffer
+  /// first, tied_chunks: the gradient's row ranges (bounds, one more than events) and when each
+  /// lands (`landed` is the first's); the matrix's row width. Empty: the whole gradient at `landed`.
+  std::vector<device::Event> landed_ranges;
+  std::vector<int64_t> range_bounds;
+  int64_t cols = 0;
 };
 
 HookOffload::HookOffload(std::string name, const StrategyConfig& config, HookOffloadOptions options)
@@ -742,7 +753,10 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       if (unit.rows > 0 && !unit.grad_filled) {
         // The first of a tied matrix's two uses (the head's, in the GPT): sent now, behind the rest
         // of backward, rather than held for the last use, which then sends only its touched rows.
-        send_gradient(unit, parts);
+        if (options_.overlap_optimizer && options_.tied_chunks > 1 && parts.size() == 1)
+          send_in_row_ranges(unit, parts.front());
+        else
+          send_gradient(unit, parts);
         unit.first_use_sent = true;
         if (options_.overlap_optimizer) queue_first_part(unit);
         continue;
@@ -866,6 +880,26 @@ void HookOffload::send_gradient(Unit& unit, const std::vector<torch::Tensor>& pa
   last_copy_ = d2h_.record();
 }
 
+void HookOffload::send_in_row_ranges(Unit& unit, const torch::Tensor& flat) {
+  STRATA_CHECK(!unit.grad_filled && flat.numel() == unit.trainable_numel && unit.rows > 0,
+               name_ << ": a tied gradient sent in row ranges must be the whole matrix's first (internal error)");
+  d2h_.wait(compute_.record());
+  d2h_.keep_alive(flat);
+  bytes_d2h_ += flat.nbytes();
+  const int64_t cols = unit.trainable_numel / unit.rows;
+  const int64_t ranges = std::min(options_.tied_chunks, unit.rows);
+  unit.landed_ranges.clear();
+  unit.range_bounds.assign(1, 0);
+  for (int64_t k = 1; k <= ranges; ++k) {
+    const int64_t begin = unit.range_bounds.back(), end = unit.rows * k / ranges;
+    d2h_.copy(unit.host_grad.narrow(0, begin * cols, (end - begin) * cols), flat.narrow(0, begin * cols, (end - begin) * cols));
+    unit.landed_ranges.push_back(d2h_.record());
+    unit.range_bounds.push_back(end);
+  }
+  unit.grad_filled = true;
+  last_copy_ = unit.landed_ranges.back();
+}
+
 void HookOffload::gate_next_fetch(Unit& unit, ReadyUpdate& update) {
   update.done = unit.updated = std::make_shared<device::Gate>();
   // A unit on the device for good computes from its device copy, which is old from now on (also
@@ -899,6 +933,12 @@ void HookOffload::queue_first_part(Unit& unit) {
   auto update = spare_part(unit, last_copy_);
   update.part = ReadyUpdate::Part::first;
   update.done = unit.first_part_ended = std::make_shared<device::Gate>();  // opened however it ends
+  if (!unit.landed_ranges.empty()) {  // tied_chunks: taken up as soon as the first range has landed
+    update.landed = unit.landed_ranges.front();
+    update.landed_ranges = std::exchange(unit.landed_ranges, {});
+    update.range_bounds = std::exchange(unit.range_bounds, {});
+    update.cols = unit.trainable_numel / unit.rows;
+  }
   unit.early_source = update.to_travel.defined() ? update.to_travel : update.to;
   unit.early_wanted = options_.tied_early && unit.sparse_seen && !held_by_resident(unit);
   push_update(std::move(update));
@@ -1098,8 +1138,16 @@ void HookOffload::run_next_update() {
       unit.first_part_done = false;
       // tied_early: the copy to the device reads this buffer whole; its touched rows change only after.
       next.source_read.synchronize();
-      optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
-                            next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
+      if (first && !next.landed_ranges.empty()) {
+        // tied_chunks: each range stepped once its copy has landed, as a contiguous stretch of
+        // every buffer (a row list would split the pass into one span a row), with the same
+        // element steps as the whole, so the result is the same to the bit.
+        step_in_ranges(next, unit.host_grad);
+        ++ranged_first_parts_;
+      } else {
+        optimizer_update_into(config_.optimizer, next.from, *next.from_state, unit.host_grad, next.to, *next.to_state,
+                              next.to_travel, rows ? next.touched : torch::Tensor(), rows ? next.values.size(1) : 0);
+      }
       unit.first_part_done = first;
       if (next.staging.defined()) {  // tied_early (queued only after a first part that ran): the rows for the next fetch
         STRATA_CHECK(!fail_next_gather_.exchange(false), name_ << ": a rows part failed before its gather (injected by a test)");
@@ -1117,6 +1165,31 @@ void HookOffload::run_next_update() {
     note_update_error();
     throw;
   }
+}
+
+void HookOffload::step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad) {
+  // The states' buffers exist whole before the first range (as one call over the whole makes
+  // them): a range's view of a state the step creates would be a buffer of its own.
+  auto& from = *next.from_state;
+  auto& to = *next.to_state;
+  const bool adamw = config_.optimizer.kind == OptimizerKind::adamw;
+  if (adamw && !from.exp_avg.defined()) {
+    from.exp_avg = torch::zeros_like(grad);
+    from.exp_avg_sq = torch::zeros_like(grad);
+  }
+  if (!to.exp_avg.defined()) to.exp_avg = torch::zeros_like(grad);
+  if (adamw && !to.exp_avg_sq.defined()) to.exp_avg_sq = torch::zeros_like(grad);
+  auto part = [](const torch::Tensor& t, int64_t begin, int64_t n) { return t.defined() ? t.narrow(0, begin, n) : t; };
+  for (size_t k = 0; k < next.landed_ranges.size(); ++k) {
+    next.landed_ranges[k].synchronize();
+    const int64_t begin = next.range_bounds[k] * next.cols, n = (next.range_bounds[k + 1] - next.range_bounds[k]) * next.cols;
+    OptimizerState from_part{part(from.exp_avg, begin, n), part(from.exp_avg_sq, begin, n), from.step};
+    OptimizerState to_part{part(to.exp_avg, begin, n), part(to.exp_avg_sq, begin, n), to.step};
+    auto to_values = next.to.narrow(0, begin, n);
+    optimizer_update_into(config_.optimizer, next.from.narrow(0, begin, n), from_part, grad.narrow(0, begin, n), to_values,
+                          to_part, part(next.to_travel, begin, n));
+  }
+  to.step = from.step + 1;
 }
 
 void HookOffload::hold_update_of(int64_t first_use, std::shared_ptr<const device::Gate> gate) {
@@ -1502,6 +1575,9 @@ static const OptionDocumenter hook_offload_docs(
       "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device during "
       "backward, once that step has ended (at backward's end until a batch touched at most half its rows), and the next "
       "forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
+     {"tied_chunks", "1..",
+      "with tied_rows and overlap_optimizer: the first use's gradient of the tied matrix goes to the host as this many "
+      "copies of row ranges, and the host steps each range as soon as it has landed (1: one copy, stepped once whole)"},
      {"grads_early", "auto, 1, 0",
       "a block's own gradients go to the host in parts while its backward runs, a quarter of the block's gradient bytes "
       "at a time (1), or all at once when the backward has ended (0); auto: 1 where the compute dtype is fp32"},

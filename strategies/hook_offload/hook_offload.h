@@ -86,6 +86,15 @@ struct HookOffloadOptions {
   /// backward: gpt-871m -3.3 ms, gpt-medium within noise (its forward then waits for the host's
   /// last block updates instead), so still off.
   bool tied_early = false;
+  /// With tied_rows and overlap_optimizer: the first use's gradient of a tied matrix (the head's)
+  /// goes to the host as this many copies of consecutive row ranges, and the host steps each
+  /// range as soon as its copy has landed, rather than waiting for the whole matrix's (131 MB on
+  /// gpt-medium, 2.5 ms on an H200's link) before the first part starts. The same element steps,
+  /// so the same result to the bit. 1: one copy. Off by default: paired on an H200 host at 8,
+  /// gpt-medium's overlapped step moved by -0.73 and -0.51 ms in fp32 (one interval across 0),
+  /// -0.02 in bf16, and gpt-871m's by +0.23: the copies' writes into host memory now run beside the
+  /// first part's pass and slow it about as much as starting earlier gains (bench/NOTES.md).
+  int64_t tied_chunks = 1;
   /// A block's own gradients go to the host in parts while its backward runs, each part once
   /// autograd has produced a quarter of the unit's gradient bytes (its last at the block's end),
   /// rather than all of them once the backward has ended: what is left to cross the link after the
@@ -218,6 +227,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_early: early copies sent at a backward block boundary rather than at the end of backward,
   /// since attach (reset_stats does not reset it).
   int64_t early_copies_in_backward() const { return early_copies_in_backward_; }
+  /// tied_chunks: first parts stepped range by range, since attach (tests: the ranges did go).
+  int64_t ranged_first_parts() const { return ranged_first_parts_; }
 
   // WindowedRunner: called by the per-block autograd function.
   void before_compute(int64_t block, bool backward) override;
@@ -286,6 +297,12 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// flat trainable prefix in order) to its host buffer, or to be added there (another
   /// micro-batch's). In overlap mode the caller queues the unit's update behind it.
   void send_gradient(Unit& unit, const std::vector<torch::Tensor>& parts);
+  /// tied_chunks: a tied matrix's first-use gradient (`flat`, fp32, the whole matrix) sent to its
+  /// host buffer as copies of consecutive row ranges, each with its own event, for the first part.
+  void send_in_row_ranges(Unit& unit, const torch::Tensor& flat);
+  /// tied_chunks, on the host worker: a first part's step from `grad`, range by range, each once
+  /// its copy has landed.
+  void step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad);
   /// The grads_early option resolved.
   bool grads_early() const;
   /// grads_early: whether the unit's gradient of this backward may go to the host in parts.
@@ -384,6 +401,7 @@ class HookOffload : public Strategy, public WindowedRunner {
   std::function<void(int64_t)> fetch_observer_;     ///< observe_fetches
   std::atomic<bool> fail_next_gather_{false};       ///< fail_next_gather
   std::atomic<int64_t> first_part_delay_ms_{0};      ///< slow_first_parts
+  std::atomic<int64_t> ranged_first_parts_{0};       ///< ranged_first_parts
   bool first_parts_awaited_ = false;                 ///< await_first_parts_in_backward
   int64_t early_copies_in_backward_ = 0;             ///< early_copies_in_backward
   std::vector<Unit*> deferred_;  ///< fetch_ready_first: fetches waiting for their units' updates, in asked order
