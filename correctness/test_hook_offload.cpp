@@ -1194,6 +1194,28 @@ TEST(HookOffload, host_update_time_counts_the_updates_not_the_wait_for_their_gra
   }
 }
 
+// tied_chunks: the tied matrix's first part starts once its first range has landed and waits for
+// each later one; those waits are not host work either. Every copy is delayed 40 ms here, so the
+// three later ranges keep the first part waiting ~120 ms a step; the host's work on this model is
+// a few ms.
+TEST(HookOffload, host_update_time_leaves_out_the_wait_for_a_tied_gradients_later_ranges) {
+  device::ScopedDelays delays({40ms, 0ms});
+  const auto config = gpt(2, 8, 64);
+  auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_chunks", "4"}});
+  s->attach(models::build_model(config, 0));
+  s->train_step(models::make_batch(config, 2, 1));
+  s->optimizer_step();
+  s->finish_step();
+  s->reset_stats();
+  s->train_step(models::make_batch(config, 2, 2));
+  s->optimizer_step();
+  s->finish_step();
+  EXPECT_EQ(s->ranged_first_parts(), 2);
+  const double host_ms = s->stats().host_update_ms;
+  EXPECT_GT(host_ms, 0.0);
+  EXPECT_LT(host_ms, 60.0) << "the wait for the later ranges was counted as host work";
+}
+
 // defer_updates=0: optimizer_step itself waits for every update (held here until a thread opens
 // the gate; an optimizer_step that returned at once would find them still held).
 TEST(HookOffload, without_deferral_optimizer_step_waits_for_every_update) {
@@ -1599,62 +1621,79 @@ TEST(HookOffload, an_early_tied_copy_goes_during_backward_once_the_last_use_was_
 // early copy must still wait for its own first part, here slow (50 ms, from the failing step on:
 // so the failing step sent none during its backward, and the matrix stays seen as sparse). Both
 // runs, tied_early 0 and 1, go through the same complete step, the failure and four steps after
-// it: the same losses and parameters, to the bit.
+// it: the same losses and parameters, to the bit. Once with the head's gradient sent whole, once
+// in four row ranges (tied_chunks=4, whose first part the failed backward leaves behind too).
 TEST(HookOffload, an_early_tied_copy_after_a_failed_backward_waits_for_its_own_first_part) {
   auto config = gpt(3, 8);
   config.vocab = 64;
-  std::vector<double> losses[2];
-  std::vector<NamedTensors> params[2];
-  for (int early : {0, 1}) {
-    std::shared_ptr<test::FailingBlock> failing;  // in place of the second of three blocks
-    auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}, {"debug_poison", "1"}}, adamw());
-    s->attach(with_failing_block(models::build_model(config, 0), 2, config.width, &failing));
-    const auto batch = models::make_batch(config, 2, 1);
-    s->train_step(batch);  // the last use seen sparse
-    s->optimizer_step();
-    s->slow_first_parts(50ms);
-    failing->calls = 0;
-    failing->fail_after = 1;  // its forward runs; its recompute in backward throws, after the head's
-    EXPECT_THROW(s->train_step(batch), std::exception);
-    failing->fail_after = -1;
-    for (int step = 0; step < 4; ++step) {
-      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 2)));
+  for (const std::string chunks : {"1", "4"}) {
+    SCOPED_TRACE("tied_chunks=" + chunks);
+    std::vector<double> losses[2];
+    std::vector<NamedTensors> params[2];
+    for (int early : {0, 1}) {
+      std::shared_ptr<test::FailingBlock> failing;  // in place of the second of three blocks
+      auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}, {"debug_poison", "1"},
+                             {"tied_chunks", chunks}},
+                            adamw());
+      s->attach(with_failing_block(models::build_model(config, 0), 2, config.width, &failing));
+      const auto batch = models::make_batch(config, 2, 1);
+      s->train_step(batch);  // the last use seen sparse
       s->optimizer_step();
-      params[early].push_back(s->parameters());
+      s->slow_first_parts(50ms);
+      failing->calls = 0;
+      failing->fail_after = 1;  // its forward runs; its recompute in backward throws, after the head's
+      EXPECT_THROW(s->train_step(batch), std::exception);
+      failing->fail_after = -1;
+      for (int step = 0; step < 4; ++step) {
+        losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 2)));
+        s->optimizer_step();
+        params[early].push_back(s->parameters());
+      }
     }
+    expect_same_steps(losses, params);
   }
-  expect_same_steps(losses, params);
 }
 
 // tied_chunks: the tied matrix's first-use gradient goes to the host in row ranges and the first
-// part steps each range once its copy has landed. Every copy is delayed 10 ms here, so the later
+// part steps each range once its copy has landed. Every copy is delayed 5 ms here, so the later
 // ranges land well after the first part has started: a part that stepped a range before its copy
 // landed would read the previous step's gradient there. The steps equal tied_chunks=1's to the
-// bit (loss and parameters after each of four steps), with fp32 and with bf16 compute (whose
-// first part also writes the bf16 copy that travels), with and without tied_early; and the ranges
-// did go (one ranged first part a step).
+// bit (loss and parameters after each of four steps): with fp32 and with bf16 compute (whose
+// first part also writes the bf16 copy that travels), with and without tied_early, for AdamW and
+// for SGD with momentum (whose first step starts from no momentum at all), in 4 ranges of the 64
+// rows, in 3 uneven ones, and asked for 100 (one a row); and the ranges did go (one ranged first
+// part a step).
 TEST(HookOffload, a_tied_first_part_in_row_ranges_steps_each_range_once_it_has_landed) {
-  device::ScopedDelays delays({10ms, 0ms});
+  device::ScopedDelays delays({5ms, 0ms});
   const auto config = gpt(2, 8, 64);
-  for (const std::string precision : {"fp32", "bf16"}) {
-    for (const std::string early : {"0", "1"}) {
-      std::vector<double> losses[2];
-      std::vector<NamedTensors> params[2];
-      for (int ranged : {0, 1}) {
-        auto base = adamw();
-        base.precision = PrecisionPolicy::parse(precision);
-        auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", early}, {"tied_chunks", ranged ? "4" : "1"}}, base);
-        s->attach(models::build_model(config, 0));
-        for (int step = 0; step < 4; ++step) {
-          losses[ranged].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
-          s->optimizer_step();
-          params[ranged].push_back(s->parameters());
-        }
-        EXPECT_EQ(s->ranged_first_parts(), ranged ? 4 : 0) << precision << ", tied_early=" << early;
+  struct Case {
+    std::string precision, early, optimizer, chunks;
+  };
+  const Case cases[] = {{"fp32", "0", "adamw", "4"}, {"fp32", "1", "adamw", "4"}, {"bf16", "0", "adamw", "4"},
+                        {"bf16", "1", "adamw", "4"}, {"fp32", "0", "adamw", "3"}, {"fp32", "0", "adamw", "100"},
+                        {"fp32", "0", "sgd", "4"}};
+  for (const auto& c : cases) {
+    const std::string where = c.precision + ", tied_early=" + c.early + ", " + c.optimizer + ", tied_chunks=" + c.chunks;
+    SCOPED_TRACE(where);
+    std::vector<double> losses[2];
+    std::vector<NamedTensors> params[2];
+    for (int ranged : {0, 1}) {
+      auto base = adamw();
+      if (c.optimizer == "sgd") {
+        base.optimizer.kind = OptimizerKind::sgd;
+        base.optimizer.momentum = 0.9;
       }
-      SCOPED_TRACE(precision + ", tied_early=" + early);
-      expect_same_steps(losses, params);
+      base.precision = PrecisionPolicy::parse(c.precision);
+      auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", c.early}, {"tied_chunks", ranged ? c.chunks : "1"}}, base);
+      s->attach(models::build_model(config, 0));
+      for (int step = 0; step < 4; ++step) {
+        losses[ranged].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
+        s->optimizer_step();
+        params[ranged].push_back(s->parameters());
+      }
+      EXPECT_EQ(s->ranged_first_parts(), ranged ? 4 : 0);
     }
+    expect_same_steps(losses, params);
   }
 }
 

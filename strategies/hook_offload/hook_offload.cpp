@@ -1072,7 +1072,8 @@ void HookOffload::run_next_update() {
     for (;;) {
       std::unique_lock<std::mutex> lock(ready_mutex_);
       int64_t best = -1;
-      bool best_landed = false, held = false;
+      int best_rank = 0;  // 0: not landed; 1: a first part with ranges still to land; 2: landed
+      bool held = false;
       for (size_t i = 0; i < ready_.size(); ++i) {
         const auto& r = ready_[i];
         // A unit's parts run in the order they were queued (its first part before its rows).
@@ -1085,11 +1086,13 @@ void HookOffload::run_next_update() {
         }
         // (tied_early: a rows part waits for the early copy's read of its buffer too; until then it
         // is not taken ahead of updates that can run at once.)
+        // A first part in ranges counts as landed with its first range, but one whose last has
+        // not landed would hold the worker while it waits: updates that can run whole go first.
         const bool landed = r.landed.done() && r.source_read.done();
-        if (best < 0 || (landed && !best_landed) ||
-            (landed && best_landed && r.unit->first_use < ready_[best].unit->first_use)) {
+        const int rank = !landed ? 0 : (!r.landed_ranges.empty() && !r.landed_ranges.back().done()) ? 1 : 2;
+        if (best < 0 || rank > best_rank || (rank == best_rank && rank > 0 && r.unit->first_use < ready_[best].unit->first_use)) {
           best = static_cast<int64_t>(i);
-          best_landed = landed;
+          best_rank = rank;
         }
       }
       if (best < 0 && held) {  // only held ones left: look again once its gate opens or others are queued
@@ -1181,7 +1184,11 @@ void HookOffload::step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad) {
   if (adamw && !to.exp_avg_sq.defined()) to.exp_avg_sq = torch::zeros_like(grad);
   auto part = [](const torch::Tensor& t, int64_t begin, int64_t n) { return t.defined() ? t.narrow(0, begin, n) : t; };
   for (size_t k = 0; k < next.landed_ranges.size(); ++k) {
-    next.landed_ranges[k].synchronize();
+    if (!next.landed_ranges[k].done()) {  // waiting for a range is not update time (host_update_ms)
+      const auto start = std::chrono::steady_clock::now();
+      next.landed_ranges[k].synchronize();
+      host_update_ns_ -= std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
     const int64_t begin = next.range_bounds[k] * next.cols, n = (next.range_bounds[k + 1] - next.range_bounds[k]) * next.cols;
     OptimizerState from_part{part(from.exp_avg, begin, n), part(from.exp_avg_sq, begin, n), from.step};
     OptimizerState to_part{part(to.exp_avg, begin, n), part(to.exp_avg_sq, begin, n), to.step};
@@ -1290,6 +1297,8 @@ double HookOffload::train_step(const models::Batch& batch) {
         unit.early_offsets.clear();
         unit.early_part_bytes = 0;
         unit.device_grad = torch::Tensor();  // a failed backward's partial sums
+        unit.landed_ranges.clear();          // tied_chunks: ranges sent with no first part queued
+        unit.range_bounds.clear();
         // A first use already on the host, its last use never came: that host gradient is this
         // step's alone (a first use is sent only when the unit held none), so it is dropped.
         if (std::exchange(unit.first_use_sent, false)) unit.grad_filled = false;
