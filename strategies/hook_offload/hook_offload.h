@@ -90,10 +90,10 @@ struct HookOffloadOptions {
   /// goes to the host as this many copies of consecutive row ranges, and the host steps each
   /// range as soon as its copy has landed, rather than waiting for the whole matrix's (131 MB on
   /// gpt-medium, 2.5 ms on an H200's link) before the first part starts. The same element steps,
-  /// so the same result to the bit. 1: one copy. Off by default: paired on an H200 host at 8,
-  /// gpt-medium's overlapped step moved by -0.73 and -0.51 ms in fp32 (one interval across 0),
-  /// -0.02 in bf16, and gpt-871m's by +0.23: the copies' writes into host memory now run beside the
-  /// first part's pass and slow it about as much as starting earlier gains (bench/NOTES.md).
+  /// so the same result to the bit. 1: one copy. Off by default until gated: paired on H200 hosts
+  /// at 8, gpt-medium's overlapped step moved by -0.51 to -0.99 ms in fp32 (three readings), -0.02
+  /// in bf16 and gpt-871m's by +0.23; the copies' writes into host memory run beside the first
+  /// part's pass and slow it, taking back part of what starting earlier gains (bench/NOTES.md).
   int64_t tied_chunks = 1;
   /// A block's own gradients go to the host in parts while its backward runs, each part once
   /// autograd has produced a quarter of the unit's gradient bytes (its last at the block's end),
