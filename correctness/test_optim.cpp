@@ -250,6 +250,65 @@ TEST(Optimizers, an_update_into_another_buffer_is_exact_at_every_alignment) {
   }
 }
 
+// optimizer_update_span_into: spans taken one after another, out of order and of odd lengths (so
+// they start at every offset within the streamed blocks and 16-byte lines), end bit-equal to one
+// call over the whole, from no state (each span's first call makes the states whole) and from a
+// warm one, with and without a rounded copy, for both optimizers; a span alone writes nothing
+// outside itself and leaves `from` as it was.
+TEST(Optimizers, spans_taken_one_after_another_end_as_one_update_into_the_whole) {
+  const int64_t n = 6 * 1301;
+  const std::vector<int64_t> bounds{0, 1, 8, 1301, 2605, 2606, 5000, n};
+  const std::vector<size_t> order{3, 0, 6, 2, 5, 1, 4};
+  for (auto kind : {OptimizerKind::adamw, OptimizerKind::sgd})
+    for (int warm : {0, 2})
+      for (bool round : {false, true}) {
+        const std::string where = std::string(kind == OptimizerKind::adamw ? "adamw" : "sgd") + ", warm " +
+                                  std::to_string(warm) + (round ? ", rounded" : "");
+        OptimizerConfig config;
+        config.kind = kind;
+        config.lr = 1e-2;
+        torch::manual_seed(11);
+        auto param = torch::randn({n});
+        OptimizerState state;
+        for (int i = 0; i < warm; ++i) optimizer_update(config, param, torch::randn({n}), state);
+        const auto start = param.clone();
+        const auto grad = torch::randn({n});
+        OptimizerState whole_from{state.exp_avg.defined() ? state.exp_avg.clone() : torch::Tensor(),
+                                  state.exp_avg_sq.defined() ? state.exp_avg_sq.clone() : torch::Tensor(), state.step};
+        OptimizerState whole_to;
+        auto whole = torch::zeros({n});
+        auto whole_rounded = torch::zeros({n}, torch::kBFloat16);
+        optimizer_update_into(config, param, whole_from, grad, whole, whole_to, round ? whole_rounded : torch::Tensor());
+        OptimizerState to_state;
+        auto to = torch::full({n}, 7.0f);
+        auto rounded = torch::full({n}, 7.0f, torch::kBFloat16);
+        for (size_t step = 0; step < order.size(); ++step) {
+          const size_t k = order[step];
+          optimizer_update_span_into(config, param, state, grad, to, to_state, round ? rounded : torch::Tensor(), bounds[k],
+                                     bounds[k + 1] - bounds[k]);
+          if (step == 0) {  // the first span alone: the rest of `to` untouched
+            const auto rest = torch::cat({to.narrow(0, 0, bounds[k]), to.narrow(0, bounds[k + 1], n - bounds[k + 1])});
+            EXPECT_TRUE(torch::equal(rest, torch::full_like(rest, 7.0f))) << where << ": a span wrote outside itself";
+          }
+        }
+        EXPECT_TRUE(torch::equal(to, whole)) << where << ": parameter";
+        EXPECT_TRUE(torch::equal(to_state.exp_avg, whole_to.exp_avg)) << where << ": first moment";
+        if (kind == OptimizerKind::adamw)
+          EXPECT_TRUE(torch::equal(to_state.exp_avg_sq, whole_to.exp_avg_sq)) << where << ": second moment";
+        if (round) EXPECT_TRUE(torch::equal(rounded, whole_rounded)) << where << ": rounded copy";
+        EXPECT_EQ(to_state.step, warm + 1) << where;
+        EXPECT_TRUE(torch::equal(param, start)) << where << ": `from` was written";
+        EXPECT_GT((to - start).abs().max().item<double>(), 1e-3) << where << ": the step did not move the parameter";
+      }
+  OptimizerConfig config;
+  auto a = torch::zeros({12}), b = torch::zeros({12}), g = torch::ones({12});
+  OptimizerState sa, sb;
+  EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 10, 3), std::exception);  // past the end
+  EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, -1, 3), std::exception);
+  EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 0, -1), std::exception);
+  EXPECT_NO_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 9, 3));
+}
+
 TEST(Optimizers, an_update_into_refuses_what_it_cannot_do) {
   OptimizerConfig config;
   config.kind = OptimizerKind::adamw;

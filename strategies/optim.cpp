@@ -192,24 +192,27 @@ void adamw_span_streamed(const AdamwStep& step, const float* p_in, const float* 
 }
 
 // optimizer_update_into's loop, over the whole tensor (rows == nullptr) or the listed rows of
-// `cols` elements.
+// `cols` elements. The pointers are the tensors' starts; `first` (0 with rows) moves every buffer,
+// the states' too, to the first element of a span of `count`.
 template <typename Out>
 void fused_host_update_into(const OptimizerConfig& c, const float* p_in, OptimizerState& in, const float* g,
                             float* p_out, OptimizerState& out_state, Out* out, int64_t count, const int64_t* rows,
-                            int64_t cols) {
+                            int64_t cols, int64_t first) {
   if (c.kind == OptimizerKind::sgd) {
     const SgdStep step{static_cast<float>(c.momentum), static_cast<float>(c.lr), !in.exp_avg.defined()};
-    const float* buf_in = step.first ? nullptr : in.exp_avg.data_ptr<float>();
-    float* buf = out_state.exp_avg.data_ptr<float>();
+    const float* buf_in = step.first ? nullptr : in.exp_avg.data_ptr<float>() + first;
+    float* buf = out_state.exp_avg.data_ptr<float>() + first;
+    p_in += first, g += first, p_out += first, out = element(out, first);
     parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
       sgd_span(step, p_in + i, step.first ? nullptr : buf_in + i, g + i, p_out + i, buf + i, element(out, i), n);
     });
     return;
   }
-  const float* m_in = in.exp_avg.data_ptr<float>();
-  const float* v_in = in.exp_avg_sq.data_ptr<float>();
-  float* m = out_state.exp_avg.data_ptr<float>();
-  float* v = out_state.exp_avg_sq.data_ptr<float>();
+  const float* m_in = in.exp_avg.data_ptr<float>() + first;
+  const float* v_in = in.exp_avg_sq.data_ptr<float>() + first;
+  float* m = out_state.exp_avg.data_ptr<float>() + first;
+  float* v = out_state.exp_avg_sq.data_ptr<float>() + first;
+  p_in += first, g += first, p_out += first, out = element(out, first);
   const AdamwStep step(c, out_state.step);
   parallel_row_spans(count, rows, cols, [&](int64_t, int64_t i, int64_t n) {
     adamw_span_streamed(step, p_in + i, m_in + i, v_in + i, g + i, p_out + i, m + i, v + i, element(out, i), n);
@@ -266,35 +269,44 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   if (rounded.defined()) rounded.copy_(param);
 }
 
-void optimizer_update_into(const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
-                           const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
-                           const torch::Tensor& rounded, const torch::Tensor& rows, int64_t cols) {
+namespace {
+
+// optimizer_update_into and optimizer_update_span_into: the step over the whole tensors, the listed
+// rows, or (first, count) a span of them; `what` names the caller in errors.
+void update_into(const char* what, const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
+                 const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state, const torch::Tensor& rounded,
+                 const torch::Tensor& rows, int64_t cols, int64_t first, int64_t span) {
   torch::NoGradGuard no_grad;
   STRATA_CHECK(fusable(from, grad) && fusable(to, grad),
-               "optimizer_update_into: needs contiguous float32 host tensors of one size; got "
+               what << ": needs contiguous float32 host tensors of one size; got "
                    << from.sizes() << " " << from.scalar_type() << ", into " << to.sizes() << " " << to.scalar_type()
                    << ", gradient " << grad.sizes() << " " << grad.scalar_type());
-  STRATA_CHECK(from.data_ptr() != to.data_ptr(), "optimizer_update_into: `from` and `to` are the same buffer; use optimizer_update");
-  STRATA_CHECK(&from_state != &to_state, "optimizer_update_into: `from_state` and `to_state` are the same state");
-  STRATA_CHECK(grad.data_ptr() != to.data_ptr(), "optimizer_update_into: the gradient is the buffer written");
+  STRATA_CHECK(from.data_ptr() != to.data_ptr(), what << ": `from` and `to` are the same buffer; use optimizer_update");
+  STRATA_CHECK(&from_state != &to_state, what << ": `from_state` and `to_state` are the same state");
+  STRATA_CHECK(grad.data_ptr() != to.data_ptr(), what << ": the gradient is the buffer written");
   if (rounded.defined())
     STRATA_CHECK(rounded.is_cpu() && rounded.is_contiguous() && rounded.numel() == from.numel() &&
                      (rounded.scalar_type() == torch::kBFloat16 || rounded.scalar_type() == torch::kHalf),
-                 "optimizer_update_into: the rounded copy must be a contiguous host bf16 or fp16 tensor of "
+                 what << ": the rounded copy must be a contiguous host bf16 or fp16 tensor of "
                      << from.numel() << " elements; got " << rounded.sizes() << " " << rounded.scalar_type());
   int64_t count = from.numel();
+  if (span >= 0) {
+    STRATA_CHECK(first >= 0 && first + span <= from.numel(), what << ": the span of " << span << " elements from "
+                                                                   << first << " leaves the tensor's " << from.numel());
+    count = span;
+  }
   const int64_t* row = nullptr;
   if (rows.defined()) {
     STRATA_CHECK(cols > 0 && from.numel() % cols == 0 && rows.is_cpu() && rows.scalar_type() == torch::kLong &&
                      rows.is_contiguous() && rows.dim() == 1,
-                 "optimizer_update_into: rows must be a contiguous 1-D int64 host tensor and cols (" << cols
+                 what << ": rows must be a contiguous 1-D int64 host tensor and cols (" << cols
                                                                                                      << ") divide " << from.numel());
     row = rows.data_ptr<int64_t>();
     const int64_t n_rows = from.numel() / cols;
     std::vector<bool> seen(static_cast<size_t>(n_rows));
     for (int64_t i = 0; i < rows.numel(); ++i) {
-      STRATA_CHECK(row[i] >= 0 && row[i] < n_rows, "optimizer_update_into: row " << row[i] << " is outside 0.." << n_rows - 1);
-      STRATA_CHECK(!seen[static_cast<size_t>(row[i])], "optimizer_update_into: row " << row[i] << " is listed twice");
+      STRATA_CHECK(row[i] >= 0 && row[i] < n_rows, what << ": row " << row[i] << " is outside 0.." << n_rows - 1);
+      STRATA_CHECK(!seen[static_cast<size_t>(row[i])], what << ": row " << row[i] << " is listed twice");
       seen[static_cast<size_t>(row[i])] = true;
     }
     count = rows.numel() * cols;
@@ -312,11 +324,26 @@ void optimizer_update_into(const OptimizerConfig& c, const torch::Tensor& from, 
   const float* g = grad.data_ptr<float>();
   float* p_out = to.data_ptr<float>();
   if (rounded.defined() && rounded.scalar_type() == torch::kBFloat16)
-    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::BFloat16>(), count, row, cols);
+    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::BFloat16>(), count, row, cols, first);
   else if (rounded.defined())
-    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::Half>(), count, row, cols);
+    fused_host_update_into(c, p_in, from_state, g, p_out, to_state, rounded.data_ptr<c10::Half>(), count, row, cols, first);
   else
-    fused_host_update_into<void>(c, p_in, from_state, g, p_out, to_state, nullptr, count, row, cols);
+    fused_host_update_into<void>(c, p_in, from_state, g, p_out, to_state, nullptr, count, row, cols, first);
+}
+
+}  // namespace
+
+void optimizer_update_into(const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
+                           const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
+                           const torch::Tensor& rounded, const torch::Tensor& rows, int64_t cols) {
+  update_into("optimizer_update_into", c, from, from_state, grad, to, to_state, rounded, rows, cols, 0, -1);
+}
+
+void optimizer_update_span_into(const OptimizerConfig& c, const torch::Tensor& from, OptimizerState& from_state,
+                                const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
+                                const torch::Tensor& rounded, int64_t first, int64_t count) {
+  STRATA_CHECK(count >= 0, "optimizer_update_span_into: count is " << count);
+  update_into("optimizer_update_span_into", c, from, from_state, grad, to, to_state, rounded, {}, 0, first, count);
 }
 
 void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state) {

@@ -47,6 +47,14 @@ void optimizer_update_into(const OptimizerConfig& config, const torch::Tensor& f
                            const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
                            const torch::Tensor& rounded = {}, const torch::Tensor& rows = {}, int64_t cols = 0);
 
+/// optimizer_update_into() over the `count` elements from `first` of the tensors (the states' and
+/// `rounded`'s too), seen as flat: the rest is neither read nor written. The states are made whole
+/// where they do not exist yet, as the call over the whole makes them, so that spans taken one after
+/// another, in any order, end as the one call over the whole would.
+void optimizer_update_span_into(const OptimizerConfig& config, const torch::Tensor& from, OptimizerState& from_state,
+                                const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
+                                const torch::Tensor& rounded, int64_t first, int64_t count);
+
 /// optimizer_update() from `param`'s own gradient, which is then released (set_to_none); nothing
 /// happens to a parameter without a gradient.
 void step_and_release_grad(const OptimizerConfig& config, torch::Tensor& param, OptimizerState& state);

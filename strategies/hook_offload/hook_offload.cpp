@@ -1171,18 +1171,6 @@ void HookOffload::run_next_update() {
 }
 
 void HookOffload::step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad) {
-  // The states' buffers exist whole before the first range (as one call over the whole makes
-  // them): a range's view of a state the step creates would be a buffer of its own.
-  auto& from = *next.from_state;
-  auto& to = *next.to_state;
-  const bool adamw = config_.optimizer.kind == OptimizerKind::adamw;
-  if (adamw && !from.exp_avg.defined()) {
-    from.exp_avg = torch::zeros_like(grad);
-    from.exp_avg_sq = torch::zeros_like(grad);
-  }
-  if (!to.exp_avg.defined()) to.exp_avg = torch::zeros_like(grad);
-  if (adamw && !to.exp_avg_sq.defined()) to.exp_avg_sq = torch::zeros_like(grad);
-  auto part = [](const torch::Tensor& t, int64_t begin, int64_t n) { return t.defined() ? t.narrow(0, begin, n) : t; };
   for (size_t k = 0; k < next.landed_ranges.size(); ++k) {
     if (!next.landed_ranges[k].done()) {  // waiting for a range is not update time (host_update_ms)
       const auto start = std::chrono::steady_clock::now();
@@ -1190,13 +1178,9 @@ void HookOffload::step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad) {
       host_update_ns_ -= std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     }
     const int64_t begin = next.range_bounds[k] * next.cols, n = (next.range_bounds[k + 1] - next.range_bounds[k]) * next.cols;
-    OptimizerState from_part{part(from.exp_avg, begin, n), part(from.exp_avg_sq, begin, n), from.step};
-    OptimizerState to_part{part(to.exp_avg, begin, n), part(to.exp_avg_sq, begin, n), to.step};
-    auto to_values = next.to.narrow(0, begin, n);
-    optimizer_update_into(config_.optimizer, next.from.narrow(0, begin, n), from_part, grad.narrow(0, begin, n), to_values,
-                          to_part, part(next.to_travel, begin, n));
+    optimizer_update_span_into(config_.optimizer, next.from, *next.from_state, grad, next.to, *next.to_state,
+                               next.to_travel, begin, n);
   }
-  to.step = from.step + 1;
 }
 
 void HookOffload::hold_update_of(int64_t first_use, std::shared_ptr<const device::Gate> gate) {
