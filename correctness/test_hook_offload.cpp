@@ -861,7 +861,7 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"opening", "fit"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=fit needs overlap_optimizer=0"));
   EXPECT_THAT(error_of({{"opening", "fits"}}), HasSubstr("opening='fits'"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
-  EXPECT_THAT(error_of({{"tied_chunks", "0"}}), HasSubstr("tied_chunks=0 must be 1"));
+  EXPECT_THAT(error_of({{"tied_chunks", "0"}}), HasSubstr("tied_chunks=0 must be auto, 1"));
   EXPECT_THAT(error_of({{"tied_chunks", "4x"}}), HasSubstr("tied_chunks='4x'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));

@@ -293,9 +293,12 @@ TEST(Optimizers, spans_taken_one_after_another_end_as_one_update_into_the_whole)
         }
         EXPECT_TRUE(torch::equal(to, whole)) << where << ": parameter";
         EXPECT_TRUE(torch::equal(to_state.exp_avg, whole_to.exp_avg)) << where << ": first moment";
-        if (kind == OptimizerKind::adamw)
+        if (kind == OptimizerKind::adamw) {
           EXPECT_TRUE(torch::equal(to_state.exp_avg_sq, whole_to.exp_avg_sq)) << where << ": second moment";
-        if (round) EXPECT_TRUE(torch::equal(rounded, whole_rounded)) << where << ": rounded copy";
+        }
+        if (round) {
+          EXPECT_TRUE(torch::equal(rounded, whole_rounded)) << where << ": rounded copy";
+        }
         EXPECT_EQ(to_state.step, warm + 1) << where;
         EXPECT_TRUE(torch::equal(param, start)) << where << ": `from` was written";
         EXPECT_GT((to - start).abs().max().item<double>(), 1e-3) << where << ": the step did not move the parameter";

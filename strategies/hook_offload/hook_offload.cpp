@@ -37,7 +37,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
   o.tied_early = reader.get_bool("tied_early", o.tied_early);
-  o.tied_chunks = reader.get_int("tied_chunks", o.tied_chunks);
+  if (reader.get_string("tied_chunks", "auto") != "auto") o.tied_chunks = reader.get_int("tied_chunks", o.tied_chunks);
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
@@ -64,7 +64,8 @@ void HookOffloadOptions::validate() const {
                "hook_offload: opening=" << (opening == kOpeningFit ? std::string("fit") : std::to_string(opening))
                                         << " needs overlap_optimizer=0 (the overlapped optimizer fetches no window in "
                                            "optimizer_step)");
-  STRATA_CHECK(tied_chunks >= 1, "hook_offload: tied_chunks=" << tied_chunks << " must be 1 (one copy) or more");
+  STRATA_CHECK(tied_chunks >= 1 || tied_chunks == kChunksAuto,
+               "hook_offload: tied_chunks=" << tied_chunks << " must be auto, 1 (one copy) or more");
   for (auto b : resident) STRATA_CHECK(b >= 0, "hook_offload: resident block " << b << " is negative");
   STRATA_CHECK(!recompute_resident || !resident.empty(),
                "hook_offload: resident_activations=recompute recomputes resident blocks, and resident names none; "
@@ -646,6 +647,11 @@ torch::Tensor as_one_tensor(const std::vector<torch::Tensor>& parts) {
 }
 }  // namespace
 
+int64_t HookOffload::tied_chunks() const {
+  if (options_.tied_chunks != HookOffloadOptions::kChunksAuto) return options_.tied_chunks;
+  return config_.precision.compute == torch::kFloat ? 8 : 1;
+}
+
 bool HookOffload::grads_early() const {
   return options_.grads_early == HookOffloadOptions::kEarlyAuto ? config_.precision.compute == torch::kFloat
                                                                  : options_.grads_early == 1;
@@ -753,7 +759,7 @@ void HookOffload::flush_gradients(int64_t block, const std::vector<torch::Tensor
       if (unit.rows > 0 && !unit.grad_filled) {
         // The first of a tied matrix's two uses (the head's, in the GPT): sent now, behind the rest
         // of backward, rather than held for the last use, which then sends only its touched rows.
-        if (options_.overlap_optimizer && options_.tied_chunks > 1 && parts.size() == 1)
+        if (options_.overlap_optimizer && tied_chunks() > 1 && parts.size() == 1)
           send_in_row_ranges(unit, parts.front());
         else
           send_gradient(unit, parts);
@@ -887,7 +893,7 @@ void HookOffload::send_in_row_ranges(Unit& unit, const torch::Tensor& flat) {
   d2h_.keep_alive(flat);
   bytes_d2h_ += flat.nbytes();
   const int64_t cols = unit.trainable_numel / unit.rows;
-  const int64_t ranges = std::min(options_.tied_chunks, unit.rows);
+  const int64_t ranges = std::min(tied_chunks(), unit.rows);
   unit.landed_ranges.clear();
   unit.range_bounds.assign(1, 0);
   for (int64_t k = 1; k <= ranges; ++k) {
@@ -1568,9 +1574,10 @@ static const OptionDocumenter hook_offload_docs(
       "with tied_rows and overlap_optimizer: the matrix as the first use's step left it goes to the device during "
       "backward, once that step has ended (at backward's end until a batch touched at most half its rows), and the next "
       "forward's fetch sends only the rows stepped again (the matrix's device bytes held in between)"},
-     {"tied_chunks", "1..",
+     {"tied_chunks", "auto, 1..",
       "with tied_rows and overlap_optimizer: the first use's gradient of the tied matrix goes to the host as this many "
-      "copies of row ranges, and the host steps each range as soon as it has landed (1: one copy, stepped once whole)"},
+      "copies of row ranges, and the host steps each range as soon as it has landed (1: one copy, stepped once whole); "
+      "auto: 8 where the compute dtype is fp32, else 1"},
      {"grads_early", "auto, 1, 0",
       "a block's own gradients go to the host in parts while its backward runs, a quarter of the block's gradient bytes "
       "at a time (1), or all at once when the backward has ended (0); auto: 1 where the compute dtype is fp32"},

@@ -90,11 +90,14 @@ struct HookOffloadOptions {
   /// goes to the host as this many copies of consecutive row ranges, and the host steps each
   /// range as soon as its copy has landed, rather than waiting for the whole matrix's (131 MB on
   /// gpt-medium, 2.5 ms on an H200's link) before the first part starts. The same element steps,
-  /// so the same result to the bit. 1: one copy. Off by default until gated: paired on H200 hosts
-  /// at 8, gpt-medium's overlapped step moved by -0.51 to -0.99 ms in fp32 (three readings), -0.02
-  /// in bf16 and gpt-871m's by +0.23; the copies' writes into host memory run beside the first
-  /// part's pass and slow it, taking back part of what starting earlier gains (bench/NOTES.md).
-  int64_t tied_chunks = 1;
+  /// so the same result to the bit. 1: one copy. kChunksAuto: 8 where the compute dtype is fp32,
+  /// else 1. Paired on H200 hosts at 8, gpt-medium's overlapped step moved by -0.51 to -1.02 ms in
+  /// fp32 (four readings), by -0.02 and +0.45 in bf16, gpt-871m's by +0.23 and -0.11 (fp32) and
+  /// -1.81 (bf16), all but two intervals across 0; the copies' writes into host memory run beside
+  /// the first part's pass and slow it, taking back part of what starting earlier gains
+  /// (bench/NOTES.md, "tied_chunks=8 in bf16 and on gpt-871m").
+  static constexpr int64_t kChunksAuto = -1;
+  int64_t tied_chunks = kChunksAuto;
   /// A block's own gradients go to the host in parts while its backward runs, each part once
   /// autograd has produced a quarter of the unit's gradient bytes (its last at the block's end),
   /// rather than all of them once the backward has ended: what is left to cross the link after the
@@ -303,6 +306,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   /// tied_chunks, on the host worker: a first part's step from `grad`, range by range, each once
   /// its copy has landed.
   void step_in_ranges(ReadyUpdate& next, const torch::Tensor& grad);
+  /// The tied_chunks option resolved.
+  int64_t tied_chunks() const;
   /// The grads_early option resolved.
   bool grads_early() const;
   /// grads_early: whether the unit's gradient of this backward may go to the host in parts.
