@@ -861,7 +861,8 @@ TEST(HookOffload, bad_options_name_the_value) {
   EXPECT_THAT(error_of({{"opening", "fit"}, {"overlap_optimizer", "1"}}), HasSubstr("opening=fit needs overlap_optimizer=0"));
   EXPECT_THAT(error_of({{"opening", "fits"}}), HasSubstr("opening='fits'"));
   EXPECT_THAT(error_of({{"activations", "some"}}), HasSubstr("activations='some'"));
-  EXPECT_THAT(error_of({{"tied_chunks", "0"}}), HasSubstr("tied_chunks=0 must be auto, 1"));
+  EXPECT_THAT(error_of({{"tied_chunks", "0"}}), HasSubstr("tied_chunks='0' is not valid; use auto or a copy count"));
+  EXPECT_THAT(error_of({{"tied_chunks", "-1"}}), HasSubstr("tied_chunks='-1' is not valid"));
   EXPECT_THAT(error_of({{"tied_chunks", "4x"}}), HasSubstr("tied_chunks='4x'"));
   EXPECT_THAT(error_of({{"resident", "9"}}, 4), HasSubstr("resident block 9 does not exist; the model has 4 blocks"));
   EXPECT_THAT(error_of({{"resident", "1,x"}}), HasSubstr("resident='1,x'"));
@@ -1214,6 +1215,38 @@ TEST(HookOffload, host_update_time_leaves_out_the_wait_for_a_tied_gradients_late
   const double host_ms = s->stats().host_update_ms;
   EXPECT_GT(host_ms, 0.0);
   EXPECT_LT(host_ms, 60.0) << "the wait for the later ranges was counted as host work";
+}
+
+// tied_chunks=auto (the default, and named): the head's gradient of the tied matrix goes in ranges
+// where the compute dtype is fp32 and as one copy under bf16; an explicit count holds in either.
+TEST(HookOffload, tied_chunks_auto_sends_ranges_in_fp32_and_one_copy_in_bf16) {
+  const auto config = gpt(2, 8, 64);
+  struct Case {
+    std::string precision;
+    std::map<std::string, std::string> options;
+    int64_t ranged;
+  };
+  const Case cases[] = {{"fp32", {}, 2},
+                        {"fp32", {{"tied_chunks", "auto"}}, 2},
+                        {"bf16", {}, 0},
+                        {"bf16", {{"tied_chunks", "auto"}}, 0},
+                        {"fp32", {{"tied_chunks", "1"}}, 0},
+                        {"bf16", {{"tied_chunks", "4"}}, 2}};
+  for (const auto& c : cases) {
+    auto options = c.options;
+    options["overlap_optimizer"] = "1";
+    const std::string where = c.precision + ", tied_chunks=" + (c.options.empty() ? "(default)" : c.options.at("tied_chunks"));
+    auto base = adamw();
+    base.precision = PrecisionPolicy::parse(c.precision);
+    auto s = make_offload(options, base);
+    s->attach(models::build_model(config, 0));
+    for (int step = 0; step < 2; ++step) {
+      s->train_step(models::make_batch(config, 2, step + 1));
+      s->optimizer_step();
+    }
+    s->finish_step();
+    EXPECT_EQ(s->ranged_first_parts(), c.ranged) << where;
+  }
 }
 
 // defer_updates=0: optimizer_step itself waits for every update (held here until a thread opens

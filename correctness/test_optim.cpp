@@ -12,6 +12,7 @@
 #include "strategies/optim.h"
 
 #include <chrono>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -286,9 +287,24 @@ TEST(Optimizers, spans_taken_one_after_another_end_as_one_update_into_the_whole)
           const size_t k = order[step];
           optimizer_update_span_into(config, param, state, grad, to, to_state, round ? rounded : torch::Tensor(), bounds[k],
                                      bounds[k + 1] - bounds[k]);
-          if (step == 0) {  // the first span alone: the rest of `to` untouched
-            const auto rest = torch::cat({to.narrow(0, 0, bounds[k]), to.narrow(0, bounds[k + 1], n - bounds[k + 1])});
-            EXPECT_TRUE(torch::equal(rest, torch::full_like(rest, 7.0f))) << where << ": a span wrote outside itself";
+          if (step == 0) {  // the first span alone: nothing outside it written, `from`'s state untouched
+            const auto rest = [&](const torch::Tensor& t) {
+              return torch::cat({t.narrow(0, 0, bounds[k]), t.narrow(0, bounds[k + 1], n - bounds[k + 1])});
+            };
+            EXPECT_TRUE(torch::equal(rest(to), torch::full({n - (bounds[k + 1] - bounds[k])}, 7.0f)))
+                << where << ": a span wrote the parameter outside itself";
+            EXPECT_TRUE(torch::equal(rest(rounded), torch::full({n - (bounds[k + 1] - bounds[k])}, 7.0f, torch::kBFloat16)))
+                << where << ": a span wrote the rounded copy outside itself";
+            EXPECT_EQ(rest(to_state.exp_avg).count_nonzero().item<int64_t>(), 0) << where << ": first moment outside the span";
+            if (kind == OptimizerKind::adamw) {
+              EXPECT_EQ(rest(to_state.exp_avg_sq).count_nonzero().item<int64_t>(), 0) << where << ": second moment outside the span";
+            }
+            if (warm > 0) {
+              EXPECT_TRUE(torch::equal(state.exp_avg, whole_from.exp_avg)) << where << ": `from`'s first moment was written";
+              if (kind == OptimizerKind::adamw) {
+                EXPECT_TRUE(torch::equal(state.exp_avg_sq, whole_from.exp_avg_sq)) << where << ": `from`'s second moment was written";
+              }
+            }
           }
         }
         EXPECT_TRUE(torch::equal(to, whole)) << where << ": parameter";
@@ -309,6 +325,8 @@ TEST(Optimizers, spans_taken_one_after_another_end_as_one_update_into_the_whole)
   EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 10, 3), std::exception);  // past the end
   EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, -1, 3), std::exception);
   EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 0, -1), std::exception);
+  EXPECT_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, std::numeric_limits<int64_t>::max(), 1),
+               std::exception);  // first + count would overflow
   EXPECT_NO_THROW(optimizer_update_span_into(config, a, sa, g, b, sb, {}, 9, 3));
 }
 

@@ -608,6 +608,12 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
               0.1)
         << "grads_early=" << v;
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("grads_early") == 0; }), 0.4);
+  // The tied matrix's head gradient as one copy, in ranges, and as auto decides (8 in fp32, 1 in bf16).
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_chunks") && c.options.at("tied_chunks") == "1"; }),
+            0.1);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_chunks") && c.options.at("tied_chunks") != "1"; }),
+            0.1);
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_chunks") == 0; }), 0.4);
   // hook_offload_sync is registered to test fetching on demand (prefetch 0): its draws never override it
   // or fetch in the optimizer step; the overlapped optimizer refuses an opening.
   const auto sync = draw(gen_parity_case("hook_offload_sync", {"cpu"}), 200);

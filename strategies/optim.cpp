@@ -291,8 +291,8 @@ void update_into(const char* what, const OptimizerConfig& c, const torch::Tensor
                      << from.numel() << " elements; got " << rounded.sizes() << " " << rounded.scalar_type());
   int64_t count = from.numel();
   if (span >= 0) {
-    STRATA_CHECK(first >= 0 && first + span <= from.numel(), what << ": the span of " << span << " elements from "
-                                                                   << first << " leaves the tensor's " << from.numel());
+    STRATA_CHECK(first >= 0 && first <= from.numel() && span <= from.numel() - first,
+                 what << ": the span of " << span << " elements from " << first << " leaves the tensor's " << from.numel());
     count = span;
   }
   const int64_t* row = nullptr;

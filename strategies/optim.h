@@ -50,7 +50,8 @@ void optimizer_update_into(const OptimizerConfig& config, const torch::Tensor& f
 /// optimizer_update_into() over the `count` elements from `first` of the tensors (the states' and
 /// `rounded`'s too), seen as flat: the rest is neither read nor written. The states are made whole
 /// where they do not exist yet, as the call over the whole makes them, so that spans taken one after
-/// another, in any order, end as the one call over the whole would.
+/// another, in any order, end as the one call over the whole would (an empty span makes them too,
+/// and sets to_state.step, and writes nothing else).
 void optimizer_update_span_into(const OptimizerConfig& config, const torch::Tensor& from, OptimizerState& from_state,
                                 const torch::Tensor& grad, torch::Tensor& to, OptimizerState& to_state,
                                 const torch::Tensor& rounded, int64_t first, int64_t count);

@@ -108,8 +108,8 @@ namespace {
 // or the variant's own default); with the overlapped optimizer, a fetch waiting for its update
 // letting updated units' fetches go first (the default) or all of them in forward order, and a
 // tied matrix sent whole at its fetch (the default) or to the device during backward with only
-// its rows at the next fetch (tied_early=1), and the head's gradient of that matrix sent whole or in
-// 2 to 8 row ranges, each stepped as it lands (tied_chunks 1 to 8, or auto: 8 in fp32, 1 in bf16);
+// its rows at the next fetch (tied_early=1), and the head's gradient of that matrix sent whole (1)
+// or in 2 to 8 row ranges, each stepped as it lands (tied_chunks; or auto: 8 in fp32, 1 in bf16);
 // a block's gradients sent in parts during its backward or all at its end (grads_early 1 or 0, or auto: 1 in fp32);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
@@ -153,7 +153,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
         rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}),
         rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}),
         rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, uniform<int>(0, 2)}}),
-        rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, uniform<int>(1, 9)}}));
+        rc::gen::weightedOneOf<int>({{2, rc::gen::just(-1)}, {1, rc::gen::just(1)}, {1, uniform<int>(2, 9)}}));
   };
 }
 

@@ -37,7 +37,12 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.carry_tied = reader.get_bool("carry_tied", o.carry_tied);
   o.tied_rows = reader.get_bool("tied_rows", o.tied_rows);
   o.tied_early = reader.get_bool("tied_early", o.tied_early);
-  if (reader.get_string("tied_chunks", "auto") != "auto") o.tied_chunks = reader.get_int("tied_chunks", o.tied_chunks);
+  const auto chunks = reader.get_string("tied_chunks", "auto");
+  if (chunks != "auto") {
+    o.tied_chunks = reader.get_int("tied_chunks", o.tied_chunks);  // an Error names a value that is not an integer
+    STRATA_CHECK(o.tied_chunks >= 1, "hook_offload: option tied_chunks='" << chunks
+                                         << "' is not valid; use auto or a copy count, 1 or more");
+  }
   o.merge_last = reader.get_bool("merge_last", o.merge_last);
   o.resident = reader.get_ints("resident", o.resident);
   o.recompute_resident = reader.get_choice("resident_activations", {"keep", "recompute"}) == "recompute";
