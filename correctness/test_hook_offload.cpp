@@ -1590,6 +1590,17 @@ static void expect_same_steps(const std::vector<double> (&losses)[2], const std:
   EXPECT_NE(losses[1].front(), losses[1].back()) << "the steps moved nothing";
 }
 
+// Four complete steps on the batches seeded first_seed, first_seed + 1, ...: each one's loss and the
+// parameters after its optimizer step appended, for expect_same_steps.
+static void take_steps(HookOffload& s, const models::ModelConfig& config, int first_seed, std::vector<double>& losses,
+                       std::vector<NamedTensors>& params) {
+  for (int step = 0; step < 4; ++step) {
+    losses.push_back(s.train_step(models::make_batch(config, 2, first_seed + step)));
+    s.optimizer_step();
+    params.push_back(s.parameters());
+  }
+}
+
 // tied_early: the early copy reads the buffer the tied matrix's first part writes, so it must wait
 // for that part. Here every first part sleeps 50 ms on the host before its step, long past the end
 // of backward on these small models: steps with tied_early must still compute what tied_early=0's
@@ -1603,11 +1614,7 @@ TEST(HookOffload, an_early_tied_copy_waits_for_a_slow_first_part) {
     auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", std::to_string(early)}}, base);
     s->attach(models::build_model(config, 0));
     s->slow_first_parts(50ms);
-    for (int step = 0; step < 4; ++step) {
-      losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
-      s->optimizer_step();
-      params[early].push_back(s->parameters());
-    }
+    take_steps(*s, config, 1, losses[early], params[early]);
   }
   expect_same_steps(losses, params);
 }
@@ -1677,11 +1684,7 @@ TEST(HookOffload, an_early_tied_copy_after_a_failed_backward_waits_for_its_own_f
       failing->fail_after = 1;  // its forward runs; its recompute in backward throws, after the head's
       EXPECT_THROW(s->train_step(batch), std::exception);
       failing->fail_after = -1;
-      for (int step = 0; step < 4; ++step) {
-        losses[early].push_back(s->train_step(models::make_batch(config, 2, step + 2)));
-        s->optimizer_step();
-        params[early].push_back(s->parameters());
-      }
+      take_steps(*s, config, 2, losses[early], params[early]);
     }
     expect_same_steps(losses, params);
   }
@@ -1719,11 +1722,7 @@ TEST(HookOffload, a_tied_first_part_in_row_ranges_steps_each_range_once_it_has_l
       base.precision = PrecisionPolicy::parse(c.precision);
       auto s = make_offload({{"overlap_optimizer", "1"}, {"tied_early", c.early}, {"tied_chunks", ranged ? c.chunks : "1"}}, base);
       s->attach(models::build_model(config, 0));
-      for (int step = 0; step < 4; ++step) {
-        losses[ranged].push_back(s->train_step(models::make_batch(config, 2, step + 1)));
-        s->optimizer_step();
-        params[ranged].push_back(s->parameters());
-      }
+      take_steps(*s, config, 1, losses[ranged], params[ranged]);
       EXPECT_EQ(s->ranged_first_parts(), ranged ? 4 : 0);
     }
     expect_same_steps(losses, params);

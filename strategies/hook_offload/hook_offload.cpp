@@ -196,7 +196,8 @@ struct HookOffload::ReadyUpdate {
   std::shared_ptr<device::Gate> gathered;     ///< rows, tied_early: opened once staging holds them
   device::Event source_read;                  ///< rows, tied_early: the early copy has read the buffer
   /// first, tied_chunks: the gradient's row ranges (bounds, one more than events) and when each
-  /// lands (`landed` is the first's); the matrix's row width. Empty: the whole gradient at `landed`.
+  /// lands (`landed` is the first's); the matrix's row width, taken when queued (a dense last use
+  /// sets the unit's rows to 0 before this part may have run). Empty: the whole gradient at `landed`.
   std::vector<device::Event> landed_ranges;
   std::vector<int64_t> range_bounds;
   int64_t cols = 0;
