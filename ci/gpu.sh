@@ -28,7 +28,10 @@
 # gated on that reading, at most this many; default 8, 0 for none),
 # STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
 # baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
-# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_REFERENCE_SRC (the
+# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_RECHECK_BUDGET_S (seconds
+# the cells measured again may take, the baseline's code's build included; they go cheapest first,
+# and a cell that would end past the budget keeps its failure, with every cell after it; default
+# none: a GPU job with a time limit sets it below that limit), STRATA_REFERENCE_SRC (the
 # sources of the baseline's commit, for a machine without the repository's history: a clean git
 # checkout of it, or a folder with a .strata-commit file naming it, relative to the repository's
 # root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
@@ -388,15 +391,22 @@ if [ -f "$baseline" ]; then
       mv "$outdir/gate.txt" "$outdir/gate-first.txt"
       # Beside the baseline's own code where it can be built here: the two alternate on each cell,
       # and the gate takes the code's ratio to it (ci/gate.py --recheck-reference).
+      recheck_t0=$(date +%s)
       [ "$(wc -l < "$outdir/recheck-cells.txt")" -le "${STRATA_RECHECK_CELLS:-8}" ] && reference_bench || true
-      ref_args=() gate_ref=()
+      ref_args=() gate_ref=() budget_args=()
+      # Within STRATA_RECHECK_BUDGET_S, the reference's build included: the rest is recheck.py's.
+      if [ -n "${STRATA_RECHECK_BUDGET_S:-}" ]; then
+        left=$(( STRATA_RECHECK_BUDGET_S - ($(date +%s) - recheck_t0) ))
+        budget_args=(--budget-s "$(( left > 0 ? left : 0 ))")
+      fi
       if [ -n "$ref_bin" ]; then
         ref_args=(--reference-bench "$ref_bin" --reference-out "$outdir/recheck-reference.json" --reference-label "$ref_label"
                   --reference-commit "$ref_commit" --rounds "${STRATA_RECHECK_ROUNDS:-4}")
         gate_ref=(--recheck-reference "$outdir/recheck-reference.json")
       fi
       python3 ci/recheck.py --cells "$outdir/recheck-cells.txt" --out "$outdir/recheck.json" \
-        --max-cells "${STRATA_RECHECK_CELLS:-8}" ${ref_args[@]+"${ref_args[@]}"} -- ./build/cuda/bench/strata_bench --device=cuda:0 \
+        --max-cells "${STRATA_RECHECK_CELLS:-8}" --order-by "$outdir/bench-gated.json" ${budget_args[@]+"${budget_args[@]}"} \
+        ${ref_args[@]+"${ref_args[@]}"} -- ./build/cuda/bench/strata_bench --device=cuda:0 \
         --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} || true  # a cell not measured again keeps its failure
       if [ -f "$outdir/recheck.json" ]; then
         { echo "The gate's first output is in gate-first.txt; cells marked 'again' below were gated on a second reading, 'paired' on their ratio to the baseline's own code measured beside them."

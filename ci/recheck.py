@@ -20,11 +20,19 @@ the clearest separation reaches the gate's 5% exactly (1 arrangement in 20); the
 room (1 in 70). --reference-commit names the reference's commit in its file, and the gate pairs
 only a reference whose commit is the baseline's.
 
+A GPU job has a time limit, and one slow cell measured beside the baseline's code takes minutes
+(gpt-871m's offloaded cells ~30 s a process, eight processes). --order-by RUN.json measures the
+cells cheapest first, by the time the run spent in each; --budget-s S stops within S seconds: a
+cell's first process tells what the cell will take, and a cell that would end past the budget is
+given up at once (its process's rows dropped) with every cell after it; those keep their failure.
+Both files are written after every cell that finished, so a job killed partway keeps the cells
+measured before it, and every process's reading is printed as it ends.
+
 Everything after -- is the strata_bench command, to which each cell's own arguments and its
 --benchmark_out are added (the reference gets the same arguments). Exit 0 when every listed cell
 ran (whether it is now fast enough is the gate's to say), 1 when a cell could not be run or more
 cells are listed than --max-cells (a slowdown that broad is not re-measured: the first reading
-stands), 2 on bad arguments. The JSON is written whatever the exit status (with no cells where
+stands) or the budget left cells unmeasured, 2 on bad arguments. The JSON is written whatever the exit status (with no cells where
 none ran).
 """
 import argparse
@@ -75,6 +83,48 @@ def cell_arguments(name):
     return args
 
 
+READINGS = ("items_per_second", "fwd_bwd_ms")  # what the gate gates on time
+
+
+def reading(rows):
+    """A process's rows as text: the median of each gated counter over its repetitions."""
+    parts = []
+    for key in READINGS:
+        values = sorted(r[key] for r in rows if r.get("run_type", "iteration") == "iteration" and key in r)
+        if values:
+            mid = len(values) // 2
+            median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+            parts.append(f"{key} {median:.4g}")
+    return (", ".join(parts) + f" (median of {len(rows)})") if parts else "no gated counter"
+
+
+def run_seconds(path):
+    """{cell: seconds the run spent in its measured iterations} from a strata_bench JSON (real_time
+    times iterations over its repetitions); ValueError names what is wrong with the file."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--order-by={path}: {getattr(e, 'strerror', None) or e}")
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+    seconds = {}
+    for b in doc.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration" or "real_time" not in b:
+            continue
+        name = b["name"].split("/iterations")[0]
+        seconds[name] = seconds.get(name, 0.0) + (
+            b["real_time"] * scale.get(b.get("time_unit", "ns"), 1e-9) * b.get("iterations", 1))
+    return seconds
+
+
+def write_json(path, doc):
+    """`doc` to `path` whole or not at all: a job killed while writing keeps the last whole file."""
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
 def run_cell(command, name, cell_args, out, log, tag):
     """One strata_bench process of the cell: (its iteration rows or None, its context, whether the
     process exited 0 and its rows were found), the reason printed where not."""
@@ -84,17 +134,20 @@ def run_cell(command, name, cell_args, out, log, tag):
         rc = subprocess.call(command + cell_args + [f"--benchmark_out={out}", "--benchmark_out_format=json"],
                              stdout=f, stderr=subprocess.STDOUT)
     ran = os.path.exists(out)
-    print(f"recheck.py: {tag} {name}: exit {rc} after {time.time() - t0:.0f} s"
-          f"{'' if ran else ', no JSON written'} (log {log})", flush=True)
     if not ran:
+        print(f"recheck.py: {tag} {name}: exit {rc} after {time.time() - t0:.0f} s, no JSON written (log {log})",
+              flush=True)
         return None, None, False
     try:
         with open(out) as f:
             doc = json.load(f)
     except ValueError as e:  # a process that died while writing it
-        print(f"recheck.py: {tag} {name}: its JSON is unreadable ({e}); it keeps its failure")
+        print(f"recheck.py: {tag} {name}: exit {rc} after {time.time() - t0:.0f} s; its JSON is unreadable ({e}); "
+              f"it keeps its failure (log {log})", flush=True)
         return None, None, False
     found = [b for b in doc.get("benchmarks", []) if b["name"].split("/iterations")[0] == name]
+    print(f"recheck.py: {tag} {name}: exit {rc} after {time.time() - t0:.0f} s"
+          f"{': ' + reading(found) if found else ''} (log {log})", flush=True)
     if not found:
         print(f"recheck.py: {tag} {name}: the run named no such cell "
               f"({sorted({b['name'].split('/iterations')[0] for b in doc.get('benchmarks', [])})})")
@@ -122,6 +175,10 @@ def main(argv=None):
                     help="the commit the reference was built from, kept in --reference-out's context as strata_commit")
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes of each cell per binary (default 4 with --reference-bench, else 1)")
+    ap.add_argument("--order-by", metavar="RUN.json",
+                    help="the run's strata_bench JSON: cells measured cheapest first, by the time the run spent in each")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="stop within S seconds: a cell that would end past them is given up, with every cell after it")
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command:
@@ -138,6 +195,9 @@ def main(argv=None):
     if rounds < 1:
         print(f"recheck.py: --rounds={rounds}: at least 1", file=sys.stderr)
         return 2
+    if args.budget_s is not None and not args.budget_s >= 0:
+        print(f"recheck.py: --budget-s={args.budget_s}: seconds, 0 or more", file=sys.stderr)
+        return 2
     if args.reference_bench and not os.access(args.reference_bench, os.X_OK):
         print(f"recheck.py: --reference-bench={args.reference_bench}: not an executable file", file=sys.stderr)
         return 2
@@ -147,6 +207,14 @@ def main(argv=None):
     except OSError as e:
         print(f"recheck.py: --cells={args.cells}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.order_by:
+        try:
+            spent = run_seconds(args.order_by)
+        except ValueError as e:
+            print(f"recheck.py: {e}", file=sys.stderr)
+            return 2
+        # Cells the run does not name go last, in their listed order (sorted() is stable).
+        cells = sorted(cells, key=lambda c: (c not in spent, spent.get(c, 0.0)))
     outs = [args.out] + ([args.reference_out] if args.reference_out else [])
     for path in outs:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -154,6 +222,16 @@ def main(argv=None):
     sides = {"this code": [command, None]}
     if args.reference_bench:  # first in a cell's first round
         sides = {"reference": [[args.reference_bench] + command[1:], None], **sides}
+
+    def write():  # every finished cell so far; at the start, none
+        for side, path in zip(("this code", "reference"), outs):
+            doc = sides[side][1] or {"context": {}, "benchmarks": []}
+            if side == "reference":
+                doc["context"]["strata_reference"] = args.reference_label or args.reference_bench
+                if args.reference_commit:  # else none: the gate pairs no reference of an unnamed commit
+                    doc["context"]["strata_commit"] = args.reference_commit
+            write_json(path, doc)
+
     status = 0
     if not cells:
         print("recheck.py: no cells listed; nothing to measure again")
@@ -161,14 +239,24 @@ def main(argv=None):
         print(f"recheck.py: {len(cells)} cells failed on time, more than --max-cells={args.max_cells}: not measured "
               f"again (a slowdown that broad is not one cell's noise); the run's reading stands")
         cells, status = [], 1
+    write()
+    start = time.time()
+    processes = rounds * len(sides)
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(cells, 1):
+            if args.budget_s is not None and time.time() - start >= args.budget_s:
+                print(f"recheck.py: --budget-s={args.budget_s:g} spent: not measured again, keeping their failure: "
+                      + ", ".join(cells[i - 1:]), flush=True)
+                status = 1
+                break
             try:
                 cell_args = cell_arguments(name)
             except ValueError as e:
                 print(f"recheck.py: [{i}/{len(cells)}] {e}; it keeps its failure")
                 status = 1
                 continue
+            kept = {side: [] for side in sides}  # (rows, context) of each process, written once the cell ends
+            given_up = False
             for r in range(rounds):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
                 for side in order:
@@ -177,26 +265,36 @@ def main(argv=None):
                     tag = f"[{i}/{len(cells)}]"
                     if len(sides) > 1 or rounds > 1:
                         tag += f" round {r + 1}/{rounds}, {side}:"
+                    began = time.time()
                     rows, context, ok = run_cell(sides[side][0], name, cell_args,
                                                  os.path.join(tmp, f"cell{suffix}.json"),
                                                  os.path.splitext(args.out)[0] + f"{suffix}.txt", tag)
                     if not ok:
                         status = 1
-                    if rows is None:
-                        continue
+                    if rows is not None:
+                        for row in rows:
+                            row["recheck_process"] = r + 1
+                        kept[side].append((rows, context))
+                    # The cell's first process says what the rest of it takes.
+                    ends = time.time() - start + (processes - 1) * (time.time() - began)
+                    if args.budget_s is not None and r == 0 and side == order[0] and processes > 1 \
+                            and ends > args.budget_s:
+                        print(f"recheck.py: [{i}/{len(cells)}] {name}: its {processes} processes would end at "
+                              f"~{ends:.0f} s, past --budget-s={args.budget_s:g}: given up, keeping its failure, "
+                              f"and not measured again either: {', '.join(cells[i:]) or 'no other cell'}", flush=True)
+                        given_up = True
+                        break
+                if given_up:
+                    break
+            if given_up:
+                status = 1
+                break
+            for side in sides:
+                for rows, context in kept[side]:
                     if sides[side][1] is None:
                         sides[side][1] = {"context": context, "benchmarks": []}
-                    for row in rows:
-                        row["recheck_process"] = r + 1
                     sides[side][1]["benchmarks"] += rows
-    for side, path in zip(("this code", "reference"), outs):
-        doc = sides[side][1] or {"context": {}, "benchmarks": []}
-        if side == "reference":
-            doc["context"]["strata_reference"] = args.reference_label or args.reference_bench
-            if args.reference_commit:  # else none: the gate pairs no reference of an unnamed commit
-                doc["context"]["strata_commit"] = args.reference_commit
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+            write()
     return status
 
 

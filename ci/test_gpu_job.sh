@@ -254,6 +254,10 @@ STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate || { cat "$work/log"; 
 [ "$(grep -c "^reference recheck baseline/gpt-medium$" "$work/calls")" = 4 ] && [ "$(grep -vc recheck "$work/calls")" = 0 ] \
   || fail "the gate phase ran more than the failing cell and the baseline's code: $(tr '\n' ',' < "$work/calls")"
 grep -q "the host, not the code" "$out/gate.txt" || fail "the gate phase did not gate the pair"
+# A budget the reference's build has already spent: nothing measured, the cell keeps its failure.
+STRATA_RECHECK_BUDGET_S=0 STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate && fail "a slow cell passed with no budget left"
+grep -q "budget-s=0 spent" "$work/log" && ! grep -q recheck "$work/calls" \
+  || fail "STRATA_RECHECK_BUDGET_S=0 did not stop the cells measured again: $(tr '\n' ',' < "$work/calls")"
 STRATA_GPU_PHASES=gate bash "$work/repo/ci/gpu.sh" "$work/empty" > "$work/log" 2>&1 && fail "the gate phase passed on an empty folder"
 grep -q "no finished bench phase" "$work/log" || fail "the gate phase did not say what it lacked"
 # ... nor on a run of other code (its cells would be measured again by this build), or one a later
@@ -298,4 +302,4 @@ doctor peak_allocated_bytes 0.5
 job bench && fail "a run whose cell's memory rose exited 0"
 ! grep -q recheck "$work/calls" || fail "a memory rise was measured again"
 rm "$work/repo/reports/baselines/stub-gpu.json"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code, the gate phase alone)"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code, the gate phase alone, its budget)"

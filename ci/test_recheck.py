@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Self-test of ci/recheck.py: cell names back to strata_bench arguments (options, precision,
 preset overrides; cells over several ranks refused), the cap on how many cells are measured again,
-a cell the run does not name, the baseline's code run beside each cell in alternating order, and,
+a cell the run does not name, the baseline's code run beside each cell in alternating order, each
+process's reading printed, the cells taken cheapest first, a budget that gives up a cell and those
+after it, the cells finished before a kill kept, and,
 given a strata_bench binary, the real thing: cells of a CPU run measured again, each alone (and
 paired with the binary standing in for the baseline's code), under the names the gate looks for,
 and the gate's --recheck clearing a doctored slow reading with them. Runs in CI (ctest: cpu.recheck_self_test).
@@ -12,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -65,7 +68,7 @@ def refuses_what_it_cannot_run_alone():
 STUB = r"""#!/usr/bin/env python3
 # A strata_bench stand-in: one iteration row per repetition for the cell its arguments name,
 # named as strata_bench names it (or STUB_NAME), and its arguments logged.
-import json, os, sys
+import json, os, signal, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\n")
@@ -74,6 +77,11 @@ if "precision" in args: shown.append("precision=" + args["precision"])
 shown += args.get("options", "").split(";") if "options" in args else []
 name = args["strategies"] + ("[" + ";".join(sorted(shown)) + "]" if shown else "") + "/" + args["models"]
 name = os.environ.get("STUB_NAME", name)
+slow = dict(p.split("=") for p in filter(None, os.environ.get("STUB_SLEEP", "").split(",")))
+time.sleep(float(slow.get(name, 0)))
+if os.environ.get("STUB_KILL_PARENT") == name:  # the job's time limit, striking while this cell runs
+    os.kill(os.getppid(), signal.SIGKILL)
+    sys.exit(1)
 rows = [{"name": name + "/iterations:3/manual_time", "run_type": "iteration", "items_per_second": 1000.0,
          "peak_allocated_bytes": 1.0} for _ in range(int(args.get("benchmark_repetitions", "1")))]
 text = json.dumps({"context": {"host_cpu": "stub"}, "benchmarks": rows})
@@ -83,17 +91,24 @@ open(args["benchmark_out"], "w").write(text)
 """
 
 
-def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=None, commit="f" * 40):
+def stand_in(d, cells):
+    """The stand-in binary and the list of `cells`, written into folder `d`: their paths."""
+    stub, listed = os.path.join(d, "strata_bench"), os.path.join(d, "cells.txt")
+    with open(stub, "w") as f:
+        f.write(STUB)
+    os.chmod(stub, 0o755)
+    with open(listed, "w") as f:
+        f.writelines(c + "\n" for c in cells)
+    return stub, listed
+
+
+def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=None, commit="f" * 40, extra=()):
     """recheck.main over `cells` with the stand-in: (status, output, JSON written, stand-in's calls),
     and with `reference` the stand-in again as the baseline's code (its calls marked REF, its JSON
     as the last item)."""
     with tempfile.TemporaryDirectory() as d:
-        stub, log, listed, out = (os.path.join(d, n) for n in ("strata_bench", "log", "cells.txt", "out/again.json"))
-        with open(stub, "w") as f:
-            f.write(STUB)
-        os.chmod(stub, 0o755)
-        with open(listed, "w") as f:
-            f.writelines(c + "\n" for c in cells)
+        stub, listed = stand_in(d, cells)
+        log, out = os.path.join(d, "log"), os.path.join(d, "out/again.json")
         os.environ["STUB_LOG"] = log
         for k, v in (extra_env or {}).items():
             os.environ[k] = v
@@ -111,7 +126,8 @@ def with_stub(cells, extra_env=None, max_cells=None, reference=False, rounds=Non
                 argv += ["--reference-commit", commit] if commit else []
             if rounds is not None:
                 argv += ["--rounds", str(rounds)]
-            status, text = quiet(recheck.main, argv + ["--", sys.executable, stub, "--benchmark_repetitions=2"])
+            status, text = quiet(recheck.main, argv + list(extra) + ["--", sys.executable, stub,
+                                                                     "--benchmark_repetitions=2"])
         finally:
             for k in extra_env or {}:
                 del os.environ[k]
@@ -192,6 +208,76 @@ def runs_the_baselines_code_beside_each_cell_in_alternating_order():
             with contextlib.redirect_stderr(err):
                 got = recheck.main(["--cells", listed, "--out", os.path.join(d, "o.json")] + extra + ["--", "true"])
             assert got == 2 and why in err.getvalue(), (extra, got, err.getvalue())
+
+
+def measured(doc):
+    """The cells a merged file holds, in order, each once."""
+    names = []
+    for b in doc["benchmarks"]:
+        name = b["name"].split("/iterations")[0]
+        if name not in names:
+            names.append(name)
+    return names
+
+
+@case
+def prints_each_processs_reading_as_it_ends():
+    status, text, doc, calls = with_stub(["a/m"])
+    assert status == 0 and re.search(r"a/m: exit 0 after \d+ s: items_per_second 1000 \(median of 2\)", text), text
+
+
+@case
+def orders_the_cells_cheapest_first_by_the_runs_time():
+    with tempfile.TemporaryDirectory() as d:
+        run = os.path.join(d, "run.json")
+        rows = [("a/m", 30.0, "ms", 5), ("b/m", 2.0, "s", 5), ("c/m", 400.0, "us", 5), ("a/m", 30.0, "ms", 5)]
+        json.dump({"benchmarks": [{"name": f"{n}/iterations:{it}/manual_time", "run_type": "iteration", "real_time": t,
+                                   "time_unit": u, "iterations": it} for n, t, u, it in rows]
+                   + [{"name": "b/m/iterations:5/manual_time_median", "run_type": "aggregate", "real_time": 0.0,
+                       "time_unit": "s", "iterations": 5}]}, open(run, "w"))
+        status, text, doc, calls = with_stub(["b/m", "x/m", "a/m", "c/m"], extra=["--order-by", run])
+        # c: 2 ms in the run, a: 300 ms over two repetitions, b: 10 s; x, not in the run, last.
+        assert status == 0 and [c.split("--strategies=")[1].split()[0] for c in calls] == ["c", "a", "b", "x"], calls
+        assert measured(doc) == ["c/m", "a/m", "b/m", "x/m"], doc
+        status, text, doc, calls = with_stub(["a/m"], extra=["--order-by", os.path.join(d, "none.json")])
+        assert status == 2 and calls == [], text
+
+
+@case
+def gives_up_a_cell_that_would_end_past_the_budget_and_those_after_it():
+    # The cheap cell's eight processes take well under a second (a loaded machine has room up to 8);
+    # the slow one's first process takes 2 s, so its eight would end past 16 s, beyond the budget of
+    # 8: it stops after that one process.
+    cells = ["fast/m", "slow/m", "later/m"]
+    status, text, doc, calls, ref = with_stub(cells, {"STUB_SLEEP": "slow/m=2"}, reference=True,
+                                              extra=["--budget-s", "8"])
+    assert status == 1 and "slow/m: its 8 processes would end at" in text and "past --budget-s=8" in text, text
+    assert "not measured again either: later/m" in text, text
+    assert [c.split("--strategies=")[1].split()[0] for c in calls] == ["fast"] * 8 + ["slow"], calls
+    assert measured(doc) == ["fast/m"] and measured(ref) == ["fast/m"], (doc, ref)  # the lone process dropped
+    # A budget already spent measures nothing more; without a budget every cell is measured.
+    status, text, doc, calls = with_stub(cells, extra=["--budget-s", "0"])
+    assert status == 1 and calls == [] and "not measured again, keeping their failure: fast/m, slow/m, later/m" in text
+    status, text, doc, calls, ref = with_stub(cells, {"STUB_SLEEP": "slow/m=0.1"}, reference=True, rounds=3)
+    assert status == 0 and len(calls) == 18 and measured(doc) == cells, text
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert recheck.main(["--cells", "/dev/null", "--out", "/tmp/x.json", "--budget-s", "-1", "--", "true"]) == 2
+    assert "--budget-s=-1" in err.getvalue(), err.getvalue()
+
+
+@case
+def a_job_killed_partway_keeps_the_cells_measured_before_it():
+    with tempfile.TemporaryDirectory() as d:
+        stub, listed = stand_in(d, ["a/m", "b/m"])
+        out, ref_out = os.path.join(d, "again.json"), os.path.join(d, "ref.json")
+        env = dict(os.environ, STUB_LOG=os.path.join(d, "log"), STUB_KILL_PARENT="b/m")
+        done = subprocess.run([sys.executable, recheck.__file__, "--cells", listed, "--out", out, "--reference-bench",
+                               stub, "--reference-out", ref_out, "--rounds", "3", "--", stub, "--benchmark_repetitions=2"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert done.returncode == -9, (done.returncode, done.stdout)
+        assert measured(json.load(open(out))) == ["a/m"] and measured(json.load(open(ref_out))) == ["a/m"], done.stdout
+        assert len(json.load(open(out))["benchmarks"]) == 6 and not os.path.exists(out + ".partial"), done.stdout
 
 
 def real_binary(strata_bench):
