@@ -97,6 +97,46 @@ TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
       }
 }
 
+// The fused loop's bf16 conversion on the values where rounding is easiest to get wrong: ties (to
+// even, both ways), the largest float (rounds up to infinity), infinities, zeros of both signs,
+// subnormals, and NaN (a NaN, whatever its bits). An SGD step from a zero gradient leaves every
+// parameter as it was (p - lr x 0), so the copy must be each value cast by LibTorch. The values sit
+// at every offset of a vector register and of a thread's chunk, across enough elements to be
+// split over the threads.
+TEST(Optimizers, the_rounded_bf16_copy_of_special_values_equals_the_cast) {
+  const std::array<uint32_t, 14> bits = {
+      0x3F808000u,  // 1 + 2^-8: a tie, rounds down to the even 1.0
+      0x3F818000u,  // a tie that rounds up to the even neighbour
+      0x3F808001u,  // just above a tie: up
+      0x3F807FFFu,  // just below a tie: down
+      0x7F7FFFFFu,  // the largest float: rounds to infinity
+      0xFF7FFFFFu,  // its negative: to -infinity
+      0x7F800000u, 0xFF800000u,  // infinities
+      0x00000000u, 0x80000000u,  // zeros
+      0x00000001u, 0x807FFFFFu,  // subnormals
+      0x7FC00000u, 0xFFA00001u,  // a quiet NaN, a signalling one with the sign set
+  };
+  const int64_t n = 1 << 16;
+  auto values = torch::randn({n});
+  auto* v = reinterpret_cast<uint32_t*>(values.data_ptr<float>());
+  for (int64_t i = 0; i < n; i += 7) v[i] = bits[static_cast<size_t>(i / 7) % bits.size()];
+  OptimizerConfig config;
+  config.kind = OptimizerKind::sgd;
+  auto param = values.clone();
+  auto rounded = torch::empty({n}, torch::kBFloat16);
+  OptimizerState state;
+  optimizer_update(config, param, torch::zeros({n}), state, rounded);
+  const auto nan = values.isnan();
+  ASSERT_TRUE(nan.any().item<bool>());
+  EXPECT_TRUE(torch::equal(rounded.isnan(), nan));
+  EXPECT_TRUE(torch::equal(rounded.masked_fill(nan, 0), values.to(torch::kBFloat16).masked_fill(nan, 0)));
+  const auto got = rounded.view(torch::kShort), want = values.to(torch::kBFloat16).view(torch::kShort);
+  for (int64_t i = 0; i < 14 * 7; i += 7) {
+    if (!nan[i].item<bool>())
+      EXPECT_EQ(got[i].item<int16_t>(), want[i].item<int16_t>()) << "float bits 0x" << std::hex << v[i];
+  }
+}
+
 // optimizer_update_into takes the same step as optimizer_update, from one buffer into another: the
 // overlapped hook_offload takes a tied matrix's step from its first use's gradient at once, into a
 // second buffer, then again from the same start for the rows its last use touched. Checked here
