@@ -39,6 +39,7 @@
 #include "models/threads.h"
 #include "strategies/device/device.h"
 #include "strategies/distributed/process_group.h"
+#include "strategies/optim.h"
 #include "strategies/options.h"
 #include "strategies/pipeline/pipeline.h"
 #include "strategies/strategy.h"
@@ -54,6 +55,7 @@ struct Settings {
   int steps = 5;
   double peak_tflops = 0;  ///< 0: measured once at start
   double dispatch_us = 0;  ///< the host's time to dispatch one small operator, measured at start
+  bool host_probes = false;  ///< measure the host triad and pass on the CPU too (a GPU run always does)
   OptimizerKind optimizer = OptimizerKind::adamw;
   PrecisionPolicy precision;                   ///< every cell's; a cell's name shows it unless fp32
   int64_t classes = 0;                         ///< overrides the presets' class count (bert, mlp)
@@ -188,6 +190,38 @@ double measure_host_triad_gbps() {
     best = std::max(best, 12.0 * static_cast<double>(n) / s / 1e9);
   }
   return best;
+}
+
+// The host optimizer's own pass at its best on this host: AdamW in place over 2^25 fp32 parameters
+// in one tensor (optimizer_update, the fused host loop the offloaded strategies step with, on its
+// threads), the best of five passes after one untimed, at 28 bytes per parameter; and the same
+// writing a bf16 copy of each updated value as it goes (a bf16 run's travelling copy), at 30. The
+// triad shows the host's memory; this shows the loop itself, arithmetic included: the loop with the
+// bf16 copy once ran scalar at a quarter of the fp32 loop's rate, which no triad showed
+// (bench/NOTES.md, "The bf16 host pass, vectorized"). A cell's pass, over many tensors, reads below
+// this. {fp32, with the bf16 copy}, in GB/s.
+std::pair<double, double> measure_host_pass_gbps() {
+  const int64_t n = int64_t{1} << 25;
+  OptimizerConfig config;
+  config.kind = OptimizerKind::adamw;
+  config.lr = 1e-4;
+  auto param = torch::full({n}, 0.5f);
+  const auto grad = torch::full({n}, 1e-3f);
+  const auto rounded = torch::empty({n}, torch::kBFloat16);
+  OptimizerState state;
+  auto best_gbps = [&](const torch::Tensor& copy, double bytes_per_param) {
+    optimizer_update(config, param, grad, state, copy);  // the moments made and every page touched
+    double best = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto start = std::chrono::steady_clock::now();
+      optimizer_update(config, param, grad, state, copy);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      best = std::max(best, bytes_per_param * static_cast<double>(n) / s / 1e9);
+    }
+    return best;
+  };
+  const double fp32 = best_gbps({}, 28.0);
+  return {fp32, best_gbps(rounded, 30.0)};
 }
 
 // The host's speed at dispatching small operators to the device: microseconds per out-of-place add
@@ -548,7 +582,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
 constexpr const char* kUsage =
     "usage: strata_bench [--device=cpu|cuda:N] [--models=a,b] [--strategies=a,b] [--steps=N] [--batch=N]\n"
     "                    [--classes=N] [--optimizer=sgd|adamw] [--precision=fp32|bf16|fp16[,k=v]]\n"
-    "                    [--options='k=v;strategy:k=v'] [--peak-tflops=X]\n"
+    "                    [--options='k=v;strategy:k=v'] [--peak-tflops=X] [--host-probes]\n"
     "                    [Google Benchmark's --benchmark_* flags] | --list | --list-strategies | --help\n"
     "The benchmark matrix: every strategy x model preset a cell, each parity-checked before it is timed.\n"
     "  --models        presets (--list shows them; default gpt-cpu,bert-tiny on the CPU,\n"
@@ -559,6 +593,7 @@ constexpr const char* kUsage =
     "  --precision     compute dtype over fp32 master weights, with overrides (bf16,transfer=fp32,\n"
     "                  reduce=bf16; fp16 adds loss scaling: scale=N,growth=N); default fp32\n"
     "  --peak-tflops   the matmul rate to report against (default: measured at start, in that dtype)\n"
+    "  --host-probes   measure the host's triad and optimizer pass on the CPU too (a GPU run always does)\n"
     "  --benchmark_out=FILE --benchmark_out_format=json --benchmark_repetitions=N: Google Benchmark's\n"
     "Counters and formulas: bench/METRICS.md.\n";
 
@@ -585,7 +620,8 @@ int run(int argc, char** argv) {
       if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
       return std::nullopt;
     };
-    if (auto v = value("device")) s.device = device::parse(*v);
+    if (arg == "--host-probes") s.host_probes = true;
+    else if (auto v = value("device")) s.device = device::parse(*v);
     else if (auto v = value("models")) s.models = split(*v);
     else if (auto v = value("strategies")) s.strategies = split(*v);
     else if (auto v = value("steps")) s.steps = static_cast<int>(int_arg("steps", *v));
@@ -619,14 +655,18 @@ int run(int argc, char** argv) {
   s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true, s.precision.compute);
   const double link = measure_h2d_gbps(s.device);
   // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
-  const double host_triad = s.device.is_cuda() ? measure_host_triad_gbps() : 0.0;
+  // --host-probes: on the CPU too (for checking them).
+  const bool host_probes = s.device.is_cuda() || s.host_probes;
+  const double host_triad = host_probes ? measure_host_triad_gbps() : 0.0;
+  const auto host_pass = host_probes ? measure_host_pass_gbps() : std::pair<double, double>{0.0, 0.0};
   s.dispatch_us = measure_host_dispatch_us(s.device);
   const double dispatch_us = s.dispatch_us;
   std::fprintf(stderr,
                "device %s (%s): matmul %.1f TFLOP/s measured or given, %.1f by datasheet; H2D %.1f GB/s pinned; "
-               "host triad %.1f GB/s; host dispatch %.2f us an operator\n",
+               "host triad %.1f GB/s; host pass %.1f GB/s, %.1f writing a bf16 copy; host dispatch %.2f us an "
+               "operator\n",
                s.device.str().c_str(), device_name.c_str(), s.peak_tflops, s.datasheet_tflops, link, host_triad,
-               dispatch_us);
+               host_pass.first, host_pass.second, dispatch_us);
   benchmark::AddCustomContext("strata_device", s.device.str());
   benchmark::AddCustomContext("device_name", device_name);
   benchmark::AddCustomContext("host_cpu", host_cpu());
@@ -634,6 +674,8 @@ int run(int argc, char** argv) {
   benchmark::AddCustomContext("datasheet_tflops", std::to_string(s.datasheet_tflops));
   benchmark::AddCustomContext("h2d_link_GBps", std::to_string(link));
   benchmark::AddCustomContext("host_triad_GBps", std::to_string(host_triad));
+  benchmark::AddCustomContext("host_pass_GBps", std::to_string(host_pass.first));
+  benchmark::AddCustomContext("host_pass_bf16_GBps", std::to_string(host_pass.second));
   benchmark::AddCustomContext("host_dispatch_us", std::to_string(dispatch_us));
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("precision", s.precision.to_string());
