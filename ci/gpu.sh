@@ -28,10 +28,11 @@
 # gated on that reading, at most this many; default 8, 0 for none),
 # STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
 # baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
-# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_RECHECK_BUDGET_S (seconds
-# the cells measured again may take, the baseline's code's build included; they go cheapest first,
-# and a cell that would end past the budget keeps its failure, with every cell after it; default
-# none: a GPU job with a time limit sets it below that limit), STRATA_REFERENCE_SRC (the
+# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_RECHECK_BUDGET_S (whole
+# seconds the cells measured again may take, the baseline's code's build included, overrun by at
+# most one process; they go cheapest first, and a cell that would end past the budget keeps its
+# failure, with every cell after it, noted in gate.txt; default none: a GPU job with a time limit
+# sets it below that limit by the costliest process, ~35 s on one H200), STRATA_REFERENCE_SRC (the
 # sources of the baseline's commit, for a machine without the repository's history: a clean git
 # checkout of it, or a folder with a .strata-commit file naming it, relative to the repository's
 # root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
@@ -70,6 +71,12 @@ for phase in ${phases//,/ }; do
 done
 [[ ",$phases," != *,gate,* || "$phases" == gate ]] \
   || { echo "ci/gpu.sh: STRATA_GPU_PHASES='$phases': gate runs alone, on a run an earlier bench phase left"; exit 2; }
+# Counts used in shell arithmetic: anything but whole numbers is refused here, before any work (a
+# fraction in STRATA_RECHECK_BUDGET_S once ended the gate's block early and let a failing run pass).
+for setting in STRATA_RECHECK_CELLS STRATA_RECHECK_BUDGET_S; do
+  value=${!setting:-0}
+  [[ $value =~ ^[0-9]+$ ]] || { echo "ci/gpu.sh: $setting='$value': not a whole number"; exit 2; }
+done
 
 t0=$(date +%s)
 cmake --preset cuda > "$outdir/build.log" 2>&1
@@ -407,9 +414,11 @@ if [ -f "$baseline" ]; then
       python3 ci/recheck.py --cells "$outdir/recheck-cells.txt" --out "$outdir/recheck.json" \
         --max-cells "${STRATA_RECHECK_CELLS:-8}" --order-by "$outdir/bench-gated.json" ${budget_args[@]+"${budget_args[@]}"} \
         ${ref_args[@]+"${ref_args[@]}"} -- ./build/cuda/bench/strata_bench --device=cuda:0 \
-        --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} || true  # a cell not measured again keeps its failure
+        --benchmark_repetitions="$reps" ${STRATA_BENCH_ARGS:-} | tee "$outdir/recheck-log.txt" \
+        || true  # a cell not measured again keeps its failure
       if [ -f "$outdir/recheck.json" ]; then
         { echo "The gate's first output is in gate-first.txt; cells marked 'again' below were gated on a second reading, 'paired' on their ratio to the baseline's own code measured beside them."
+          grep -h "budget-s=" "$outdir/recheck-log.txt" | sed 's/^recheck.py: /note: /' || true
           python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck "$outdir/recheck.json" ${gate_ref[@]+"${gate_ref[@]}"}; } \
           | tee "$outdir/gate.txt" || status=1
       else

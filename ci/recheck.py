@@ -22,11 +22,14 @@ only a reference whose commit is the baseline's.
 
 A GPU job has a time limit, and one slow cell measured beside the baseline's code takes minutes
 (gpt-871m's offloaded cells ~30 s a process, eight processes). --order-by RUN.json measures the
-cells cheapest first, by the time the run spent in each; --budget-s S stops within S seconds: a
-cell's first process tells what the cell will take, and a cell that would end past the budget is
-given up at once (its process's rows dropped) with every cell after it; those keep their failure.
-Both files are written after every cell that finished, so a job killed partway keeps the cells
-measured before it, and every process's reading is printed as it ends.
+cells cheapest first, by the time the run spent in each cell's timed iterations (a proxy: setup is
+not counted). --budget-s S keeps within S seconds, overrunning by at most one process: after each
+process, a cell whose remaining processes (each as long as its longest so far) would end past S is
+given up at once, its processes' rows dropped, with every cell after it; a cell is not started
+where one process as long as the longest so far would not fit. Those cells keep their failure.
+Both files are rewritten after every finished cell, so a job killed partway leaves the cells
+measured before it, for ci/gate.py's --recheck (and --recheck-reference) by hand; every process's
+reading is printed as it ends.
 
 Everything after -- is the strata_bench command, to which each cell's own arguments and its
 --benchmark_out are added (the reference gets the same arguments). Exit 0 when every listed cell
@@ -242,11 +245,17 @@ def main(argv=None):
     write()
     start = time.time()
     processes = rounds * len(sides)
+    longest = 0.0  # the longest process so far, of any cell
+
+    def fits(count, each):  # whether `count` more processes of `each` seconds end within the budget
+        return args.budget_s is None or time.time() - start + count * each <= args.budget_s
+
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(cells, 1):
-            if args.budget_s is not None and time.time() - start >= args.budget_s:
-                print(f"recheck.py: --budget-s={args.budget_s:g} spent: not measured again, keeping their failure: "
-                      + ", ".join(cells[i - 1:]), flush=True)
+            if args.budget_s is not None and (time.time() - start >= args.budget_s or not fits(1, longest)):
+                print(f"recheck.py: --budget-s={args.budget_s:g} spent, or too little of it left for one process "
+                      f"(~{longest:.0f} s): not measured again, keeping their failure: " + ", ".join(cells[i - 1:]),
+                      flush=True)
                 status = 1
                 break
             try:
@@ -256,7 +265,7 @@ def main(argv=None):
                 status = 1
                 continue
             kept = {side: [] for side in sides}  # (rows, context) of each process, written once the cell ends
-            given_up = False
+            done, cell_longest, given_up = 0, 0.0, False
             for r in range(rounds):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
                 for side in order:
@@ -275,13 +284,15 @@ def main(argv=None):
                         for row in rows:
                             row["recheck_process"] = r + 1
                         kept[side].append((rows, context))
-                    # The cell's first process says what the rest of it takes.
-                    ends = time.time() - start + (processes - 1) * (time.time() - began)
-                    if args.budget_s is not None and r == 0 and side == order[0] and processes > 1 \
-                            and ends > args.budget_s:
-                        print(f"recheck.py: [{i}/{len(cells)}] {name}: its {processes} processes would end at "
-                              f"~{ends:.0f} s, past --budget-s={args.budget_s:g}: given up, keeping its failure, "
-                              f"and not measured again either: {', '.join(cells[i:]) or 'no other cell'}", flush=True)
+                    done += 1
+                    cell_longest = max(cell_longest, time.time() - began)
+                    longest = max(longest, cell_longest)
+                    if done < processes and not fits(processes - done, cell_longest):
+                        ends = time.time() - start + (processes - done) * cell_longest
+                        print(f"recheck.py: [{i}/{len(cells)}] {name}: its {processes - done} remaining processes "
+                              f"(~{cell_longest:.0f} s each) would end at ~{ends:.0f} s, past --budget-s="
+                              f"{args.budget_s:g}: given up, keeping its failure, and not measured again either: "
+                              f"{', '.join(cells[i:]) or 'no other cell'}", flush=True)
                         given_up = True
                         break
                 if given_up:

@@ -258,6 +258,13 @@ grep -q "the host, not the code" "$out/gate.txt" || fail "the gate phase did not
 STRATA_RECHECK_BUDGET_S=0 STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate && fail "a slow cell passed with no budget left"
 grep -q "budget-s=0 spent" "$work/log" && ! grep -q recheck "$work/calls" \
   || fail "STRATA_RECHECK_BUDGET_S=0 did not stop the cells measured again: $(tr '\n' ',' < "$work/calls")"
+grep -q "^note: --budget-s=0 spent" "$out/gate.txt" && grep -q "gate: FAIL" "$out/gate.txt" \
+  || fail "gate.txt does not say the budget left the cell unmeasured"
+# A budget that is not whole seconds is refused before anything runs.
+STRATA_RECHECK_BUDGET_S=90.5 STUB_SLOW_AGAIN=1 STRATA_REFERENCE_SRC=$work/ref job gate; [ $? = 2 ] \
+  || fail "STRATA_RECHECK_BUDGET_S=90.5 was not refused"
+grep -q "STRATA_RECHECK_BUDGET_S='90.5': not a whole number" "$work/log" && [ ! -s "$work/calls" ] \
+  || fail "STRATA_RECHECK_BUDGET_S=90.5 ran something, or did not say why it stopped"
 STRATA_GPU_PHASES=gate bash "$work/repo/ci/gpu.sh" "$work/empty" > "$work/log" 2>&1 && fail "the gate phase passed on an empty folder"
 grep -q "no finished bench phase" "$work/log" || fail "the gate phase did not say what it lacked"
 # ... nor on a run of other code (its cells would be measured again by this build), or one a later

@@ -78,6 +78,8 @@ shown += args.get("options", "").split(";") if "options" in args else []
 name = args["strategies"] + ("[" + ";".join(sorted(shown)) + "]" if shown else "") + "/" + args["models"]
 name = os.environ.get("STUB_NAME", name)
 slow = dict(p.split("=") for p in filter(None, os.environ.get("STUB_SLEEP", "").split(",")))
+if sys.argv[1] != "REF":  # this code's processes only
+    slow.update(p.split("=") for p in filter(None, os.environ.get("STUB_SLEEP_THIS", "").split(",")))
 time.sleep(float(slow.get(name, 0)))
 if os.environ.get("STUB_KILL_PARENT") == name:  # the job's time limit, striking while this cell runs
     os.kill(os.getppid(), signal.SIGKILL)
@@ -245,19 +247,31 @@ def orders_the_cells_cheapest_first_by_the_runs_time():
 
 @case
 def gives_up_a_cell_that_would_end_past_the_budget_and_those_after_it():
-    # The cheap cell's eight processes take well under a second (a loaded machine has room up to 8);
-    # the slow one's first process takes 2 s, so its eight would end past 16 s, beyond the budget of
-    # 8: it stops after that one process.
+    # The cheap cell's eight processes take well under a second (a loaded machine has room up to
+    # 20); the slow one's first process takes 3 s, so its seven others would end past 21 s, beyond
+    # the budget of 20: it stops after that one process.
     cells = ["fast/m", "slow/m", "later/m"]
-    status, text, doc, calls, ref = with_stub(cells, {"STUB_SLEEP": "slow/m=2"}, reference=True,
-                                              extra=["--budget-s", "8"])
-    assert status == 1 and "slow/m: its 8 processes would end at" in text and "past --budget-s=8" in text, text
-    assert "not measured again either: later/m" in text, text
+    status, text, doc, calls, ref = with_stub(cells, {"STUB_SLEEP": "slow/m=3"}, reference=True,
+                                              extra=["--budget-s", "20"])
+    assert status == 1 and "slow/m: its 7 remaining processes (~3 s each) would end at" in text, text
+    assert "past --budget-s=20" in text and "not measured again either: later/m" in text, text
     assert [c.split("--strategies=")[1].split()[0] for c in calls] == ["fast"] * 8 + ["slow"], calls
     assert measured(doc) == ["fast/m"] and measured(ref) == ["fast/m"], (doc, ref)  # the lone process dropped
+    # Estimated again after every process: the reference's first process is quick, this code's
+    # take 3 s, so after the second the six left would end past the budget of 10.
+    status, text, doc, calls, ref = with_stub(["a/m"], {"STUB_SLEEP_THIS": "a/m=3"}, reference=True,
+                                              extra=["--budget-s", "10"])
+    assert status == 1 and "a/m: its 6 remaining processes (~3 s each)" in text and len(calls) == 2, (text, calls)
+    assert measured(doc) == [] and measured(ref) == [], (doc, ref)
+    # One process a cell (no reference): a cell is not started where a process as long as the
+    # longest so far (the slow cell's 3 s) would end past the budget.
+    status, text, doc, calls = with_stub(cells, {"STUB_SLEEP": "slow/m=3"}, extra=["--budget-s", "5"])
+    assert status == 1 and "too little of it left for one process (~3 s)" in text and "failure: later/m" in text, text
+    assert [c.split("--strategies=")[1].split()[0] for c in calls] == ["fast", "slow"], calls
+    assert measured(doc) == ["fast/m", "slow/m"], doc
     # A budget already spent measures nothing more; without a budget every cell is measured.
     status, text, doc, calls = with_stub(cells, extra=["--budget-s", "0"])
-    assert status == 1 and calls == [] and "not measured again, keeping their failure: fast/m, slow/m, later/m" in text
+    assert status == 1 and calls == [] and "failure: fast/m, slow/m, later/m" in text, text
     status, text, doc, calls, ref = with_stub(cells, {"STUB_SLEEP": "slow/m=0.1"}, reference=True, rounds=3)
     assert status == 0 and len(calls) == 18 and measured(doc) == cells, text
     err = io.StringIO()
