@@ -655,8 +655,10 @@ int run(int argc, char** argv) {
   s.datasheet_tflops = datasheet_tflops(device_name, /*tf32=*/true, s.precision.compute);
   const double link = measure_h2d_gbps(s.device);
   // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
-  // --host-probes: on the CPU too (for checking them).
-  const bool host_probes = s.device.is_cuda() || s.host_probes;
+  // --host-probes: on the CPU too (for checking them). Of several launched ranks only rank 0, whose
+  // context is the one reported, probes, while the others wait: theirs would share the host with it.
+  const bool host_probes = (s.device.is_cuda() || s.host_probes) &&
+                           (!distributed::environment().launched || distributed::environment().rank == 0);
   const double host_triad = host_probes ? measure_host_triad_gbps() : 0.0;
   const auto host_pass = host_probes ? measure_host_pass_gbps() : std::pair<double, double>{0.0, 0.0};
   s.dispatch_us = measure_host_dispatch_us(s.device);

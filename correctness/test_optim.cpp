@@ -16,6 +16,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace strata {
@@ -104,7 +105,7 @@ TEST(Optimizers, the_rounded_copy_equals_the_updated_parameter_cast) {
 // at every offset of a vector register and of a thread's chunk, across enough elements to be
 // split over the threads.
 TEST(Optimizers, the_rounded_bf16_copy_of_special_values_equals_the_cast) {
-  const std::array<uint32_t, 14> bits = {
+  const std::array<uint32_t, 15> bits = {
       0x3F808000u,  // 1 + 2^-8: a tie, rounds down to the even 1.0
       0x3F818000u,  // a tie that rounds up to the even neighbour
       0x3F808001u,  // just above a tie: up
@@ -115,6 +116,7 @@ TEST(Optimizers, the_rounded_bf16_copy_of_special_values_equals_the_cast) {
       0x00000000u, 0x80000000u,  // zeros
       0x00000001u, 0x807FFFFFu,  // subnormals
       0x7FC00000u, 0xFFA00001u,  // a quiet NaN, a signalling one with the sign set
+      0x00800000u,               // the smallest normal (15 values: an odd period, so every lane sees each)
   };
   const int64_t n = 1 << 16;
   auto values = torch::randn({n});
@@ -131,9 +133,10 @@ TEST(Optimizers, the_rounded_bf16_copy_of_special_values_equals_the_cast) {
   EXPECT_TRUE(torch::equal(rounded.isnan(), nan));
   EXPECT_TRUE(torch::equal(rounded.masked_fill(nan, 0), values.to(torch::kBFloat16).masked_fill(nan, 0)));
   const auto got = rounded.view(torch::kShort), want = values.to(torch::kBFloat16).view(torch::kShort);
-  for (int64_t i = 0; i < 14 * 7; i += 7) {
-    if (!nan[i].item<bool>())
+  for (int64_t i = 0; i < 15 * 7; i += 7) {
+    if (!nan[i].item<bool>()) {
       EXPECT_EQ(got[i].item<int16_t>(), want[i].item<int16_t>()) << "float bits 0x" << std::hex << v[i];
+    }
   }
 }
 
@@ -384,6 +387,28 @@ TEST(Optimizers, an_update_into_refuses_what_it_cannot_do) {
   EXPECT_THROW(optimizer_update_into(config, a, sa, b, b, sb), std::exception);  // the gradient is written
   EXPECT_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({1, 1}, torch::kLong), 3), std::exception);
   EXPECT_NO_THROW(optimizer_update_into(config, a, sa, g, b, sb, {}, torch::tensor({3, 0}, torch::kLong), 3));
+}
+
+// The in-place update's host loop is compiled on its buffers being distinct: one passed twice is
+// refused, naming the rule, and the state is left as it was.
+TEST(Optimizers, an_update_in_place_refuses_a_buffer_passed_twice) {
+  OptimizerConfig config;
+  config.kind = OptimizerKind::adamw;
+  auto p = torch::zeros({64}), g = torch::ones({64});
+  auto bf = torch::empty({64}, torch::kBFloat16);
+  OptimizerState state;
+  for (auto [param, grad, rounded] : {std::tuple{p, p, torch::Tensor()}, std::tuple{p, g, p.view(torch::kBFloat16).narrow(0, 0, 64)},
+                                       std::tuple{p, g, g.view(torch::kBFloat16).narrow(0, 0, 64)}}) {
+    try {
+      optimizer_update(config, param, grad, state, rounded);
+      ADD_FAILURE() << "an update with a buffer passed twice was taken";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("must be distinct buffers"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(state.step, 0);
+  EXPECT_NO_THROW(optimizer_update(config, p, g, state, bf));
+  EXPECT_EQ(state.step, 1);
 }
 
 // parallel_chunks hands its chunks to workers kept for the life of the process (ChunkWorkers);

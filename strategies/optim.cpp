@@ -272,6 +272,9 @@ void optimizer_update(const OptimizerConfig& c, torch::Tensor& param, const torc
   if (rounded.defined())
     STRATA_CHECK(rounded.numel() == param.numel(), "optimizer_update: the rounded copy has " << rounded.numel()
                                                        << " elements, the parameter " << param.numel());
+  STRATA_CHECK(grad.data_ptr() != param.data_ptr() &&
+                   (!rounded.defined() || (rounded.data_ptr() != param.data_ptr() && rounded.data_ptr() != grad.data_ptr())),
+               "optimizer_update: the parameter, its gradient and the rounded copy must be distinct buffers");
   ++state.step;
   if (fusable(param, grad)) {
     const bool fused_copy = rounded.defined() && rounded.is_cpu() && rounded.is_contiguous();
