@@ -657,8 +657,8 @@ int run(int argc, char** argv) {
   // Measured where a host optimizer serves a GPU (hook_offload, sharded_offload); 0 on the CPU.
   // --host-probes: on the CPU too (for checking them). Of several launched ranks only rank 0, whose
   // context is the one reported, probes, while the others wait: theirs would share the host with it.
-  const bool host_probes = (s.device.is_cuda() || s.host_probes) &&
-                           (!distributed::environment().launched || distributed::environment().rank == 0);
+  const auto& env = distributed::environment();
+  const bool host_probes = (s.device.is_cuda() || s.host_probes) && (!env.launched || env.rank == 0);
   const double host_triad = host_probes ? measure_host_triad_gbps() : 0.0;
   const auto host_pass = host_probes ? measure_host_pass_gbps() : std::pair<double, double>{0.0, 0.0};
   s.dispatch_us = measure_host_dispatch_us(s.device);
@@ -682,7 +682,6 @@ int run(int argc, char** argv) {
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("precision", s.precision.to_string());
 
-  const auto& env = distributed::environment();
   if (env.launched && env.world_size > 1) {
     s.ranks = distributed::group_for(s.device);
     benchmark::AddCustomContext("ranks", std::to_string(env.world_size));

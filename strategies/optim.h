@@ -30,11 +30,11 @@ struct OptimizerState {
   int64_t step = 0;
 };
 
-/// Applies one step to `param` in place from `grad` (same device and dtype). `param`, `grad`, the
-/// state's tensors and `rounded` must be distinct buffers (the host loop is compiled on that). With `rounded` (a
+/// Applies one step to `param` in place from `grad` (same device and dtype). With `rounded` (a
 /// tensor of param's size in a narrower dtype, e.g. the bf16 copy that travels to a device), also
 /// writes the updated values, rounded as copy_() rounds, into it: in the same pass over memory
-/// where the update is the host's fused one, else by a copy after it.
+/// where the update is the host's fused one, else by a copy after it. `param`, `grad`, the state's
+/// tensors and `rounded` must be distinct buffers (the host loop is compiled on that).
 void optimizer_update(const OptimizerConfig& config, torch::Tensor& param, const torch::Tensor& grad,
                       OptimizerState& state, const torch::Tensor& rounded = {});
 
