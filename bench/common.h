@@ -12,6 +12,7 @@
 #include "models/model.h"
 #include "models/sizes.h"
 #include "strategies/device/device.h"
+#include "strategies/device/device.h"
 #include "strategies/options.h"
 #include "strategies/pipeline/pipeline.h"
 #include "strategies/strategy.h"
@@ -195,6 +196,8 @@ inline std::string for_the_user(const std::string& what) {
 /// on stderr as "NAME: message" and status 2.
 inline int tool_main(const char* name, int (*run)(int, char**), int argc, char** argv) {
   try {
+    const auto& onednn = device::guard_onednn_cache();
+    if (onednn.affected) std::fprintf(stderr, "%s: %s\n", name, onednn.summary.c_str());
     return run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", name, for_the_user(e.what()).c_str());

@@ -1,8 +1,10 @@
 // The device layer: side streams are asynchronous on every device (a worker thread on the CPU),
 // events order work across streams, and allocator statistics move on CUDA.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "correctness/support/test_device.h"
@@ -13,6 +15,22 @@ namespace strata {
 namespace {
 
 using namespace std::chrono_literals;
+
+// oneDNN before 3.4 reads freed memory when it rebuilds an evicted CPU matmul primitive (device.h):
+// the guard must leave such a oneDNN's cache too large to evict. The capacity is read back from
+// oneDNN itself, not from the guard's record.
+TEST(Device, an_affected_onednn_cache_is_raised_so_it_never_evicts) {
+  const auto& guard = device::guard_onednn_cache();
+  if (!guard.affected) GTEST_SKIP() << guard.summary;
+  if (std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") || std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY"))
+    GTEST_SKIP() << "the capacity is the user's: " << guard.summary;
+  const auto get = reinterpret_cast<int (*)(int*)>(dlsym(RTLD_DEFAULT, "dnnl_get_primitive_cache_capacity"));
+  ASSERT_NE(get, nullptr);
+  int capacity = -1;
+  ASSERT_EQ(get(&capacity), 0);
+  EXPECT_EQ(capacity, device::kOnednnCacheCapacity) << guard.summary;
+  EXPECT_TRUE(guard.raised) << guard.summary;
+}
 
 TEST(Device, side_stream_copies_asynchronously_and_events_order_them) {
   const auto dev = test::device();

@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "models/check.h"
+#include "strategies/device/device.h"
 #include "strategies/options.h"
 #include "strategies/strategy.h"
 
@@ -41,6 +42,7 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   auto found = entries().find(name);
   STRATA_CHECK(found != entries().end(),
                "unknown strategy '" << name << "'; registered strategies: " << known_names());
+  device::guard_onednn_cache();  // before any strategy starts threads that build CPU matmuls
   config.optimizer.validate();
   config.precision.validate();
   check_precision_on(config.precision, config.device);

@@ -1,6 +1,9 @@
 #include "strategies/device/device.h"
 
+#include <dlfcn.h>
+
 #include <atomic>
+#include <cstdlib>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -35,6 +38,56 @@ void check_available(const torch::Device& device) {
   STRATA_CHECK(n > 0, "device '" << device << "' is not available: this machine has no CUDA device");
   STRATA_CHECK(device.index() < n, "device '" << device << "' is not available: this machine has " << n
                                               << " CUDA device(s), cuda:0 to cuda:" << n - 1);
+}
+
+namespace {
+// The head of oneDNN's dnnl_version_t (its C API, stable since 1.0).
+struct OnednnVersion {
+  int major, minor, patch;
+};
+template <typename F>
+F onednn_symbol(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+}
+}  // namespace
+
+const OnednnCacheGuard& guard_onednn_cache() {
+  static const OnednnCacheGuard guard = [] {
+    OnednnCacheGuard g;
+    const auto version = onednn_symbol<const OnednnVersion* (*)()>("dnnl_version");
+    const auto get = onednn_symbol<int (*)(int*)>("dnnl_get_primitive_cache_capacity");
+    const auto set = onednn_symbol<int (*)(int)>("dnnl_set_primitive_cache_capacity");
+    if (!version || !get || !set) {
+      g.summary = "oneDNN: this LibTorch does not export its C API; its primitive cache is left as it is";
+      return g;
+    }
+    const OnednnVersion* v = version();
+    g.version = std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+    g.affected = v->major < 3 || (v->major == 3 && v->minor < 4);
+    int before = -1;
+    if (get(&before) != 0) before = -1;
+    const char* variable = std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") ? "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+                           : std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY") ? "DNNL_PRIMITIVE_CACHE_CAPACITY"
+                                                                         : nullptr;
+    const std::string head = "oneDNN " + g.version + ": ";
+    if (!g.affected) {
+      g.summary = head + "not affected by the descriptor use-after-free (fixed in 3.4); cache capacity " +
+                  std::to_string(before) + " left as it is";
+    } else if (variable) {
+      g.summary = head + "affected by the descriptor use-after-free, but " + variable + "=" + std::getenv(variable) +
+                  " is set, so the cache capacity stays " + std::to_string(before) +
+                  (before == 0 ? " (no cache: safe)" : " (evictions can crash bf16 matmuls on several threads)");
+    } else {
+      g.raised = set(kOnednnCacheCapacity) == 0;
+      g.summary = head + "affected by the descriptor use-after-free; " +
+                  (g.raised ? "primitive cache capacity raised from " + std::to_string(before) + " to " +
+                                  std::to_string(kOnednnCacheCapacity) + " so that nothing is evicted"
+                            : "raising the primitive cache capacity failed; evictions can crash bf16 matmuls");
+    }
+    if (get(&g.capacity) != 0) g.capacity = -1;
+    return g;
+  }();
+  return guard;
 }
 
 std::string name(const torch::Device& device) { return device.is_cuda() ? detail::cuda_name(device) : "cpu"; }

@@ -32,6 +32,27 @@ void synchronize(const torch::Device& device);
 /// spread over several devices must wait for.
 void synchronize_all();
 
+/// oneDNN before 3.4 (Debian 12's LibTorch 1.13 links 2.6.3) has a use-after-free in its CPU
+/// matmuls: a brgemm descriptor keeps pointers into the primitive descriptor that first built it,
+/// copies of that descriptor keep them, and a primitive built again from a copy (its cache entry
+/// evicted while another thread looked it up) reads freed memory and dies in bad_alloc, "Broken
+/// promise" or a segmentation fault. bf16 matmuls with a bias on several threads meet it (CPU
+/// pipeline stages, CPU ranks). oneDNN 3.4 fixed it (its commit 7d9257c).
+/// guard_onednn_cache() raises such a oneDNN's primitive cache capacity to kOnednnCacheCapacity,
+/// which no run fills, so nothing is evicted. It leaves the cache alone when oneDNN is 3.4 or
+/// newer, when LibTorch does not export oneDNN's C API, and when ONEDNN_PRIMITIVE_CACHE_CAPACITY or
+/// DNNL_PRIMITIVE_CACHE_CAPACITY is set (the user's choice). It acts once per process and is
+/// cheap to call again; Registry::create calls it.
+inline constexpr int kOnednnCacheCapacity = 1 << 20;
+struct OnednnCacheGuard {
+  std::string version;     ///< oneDNN's version ("2.6.3"); empty when LibTorch does not export it
+  bool affected = false;   ///< the version has the use-after-free (before 3.4)
+  bool raised = false;     ///< this process raised the capacity
+  int capacity = -1;       ///< the cache's capacity after the call; -1 when unknown
+  std::string summary;     ///< one line: what was found and done
+};
+const OnednnCacheGuard& guard_onednn_cache();
+
 /// Host memory for buffers that stream to and from `device`: page-locked when `device` is CUDA
 /// (copies from pageable memory are not asynchronous), ordinary memory otherwise.
 torch::Tensor host_buffer(at::IntArrayRef sizes, torch::ScalarType dtype, const torch::Device& device);
