@@ -12,7 +12,6 @@
 #include "models/model.h"
 #include "models/sizes.h"
 #include "strategies/device/device.h"
-#include "strategies/device/device.h"
 #include "strategies/options.h"
 #include "strategies/pipeline/pipeline.h"
 #include "strategies/strategy.h"

@@ -7,6 +7,7 @@
 // whose pointers lead into freed memory. On oneDNN before 3.4 a small cache makes this show within
 // seconds (bad_alloc, bad_array_new_length or a segmentation fault); a cache that never evicts does
 // not. Not a test: whether a given run meets the race is chance. bench/NOTES.md has measured runs.
+// Built with the project, so it keeps compiling; run by hand.
 //
 //   strata_onednn_repro --capacity=64     evicting cache: fails on an affected oneDNN
 //   strata_onednn_repro --guard           the guard's cache: passes
@@ -75,9 +76,13 @@ int main(int argc, char** argv) {
   if (guard) std::printf("%s\n", strata::device::guard_onednn_cache().summary.c_str());
   if (capacity >= 0) {
     const auto set = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "dnnl_set_primitive_cache_capacity"));
-    if (!set || set(capacity) != 0) {
-      std::fprintf(stderr, "strata_onednn_repro: --capacity=%d: this LibTorch does not export oneDNN's C API\n",
+    if (!set) {
+      std::fprintf(stderr, "strata_onednn_repro: --capacity=%d: oneDNN's C API is not among this process's symbols\n",
                    capacity);
+      return 2;
+    }
+    if (set(capacity) != 0) {
+      std::fprintf(stderr, "strata_onednn_repro: --capacity=%d: oneDNN refused that capacity\n", capacity);
       return 2;
     }
   }

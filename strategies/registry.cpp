@@ -3,7 +3,6 @@
 #include <mutex>
 
 #include "models/check.h"
-#include "strategies/device/device.h"
 #include "strategies/options.h"
 #include "strategies/strategy.h"
 
@@ -42,7 +41,6 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   auto found = entries().find(name);
   STRATA_CHECK(found != entries().end(),
                "unknown strategy '" << name << "'; registered strategies: " << known_names());
-  device::guard_onednn_cache();  // before any strategy starts threads that build CPU matmuls
   config.optimizer.validate();
   config.precision.validate();
   check_precision_on(config.precision, config.device);

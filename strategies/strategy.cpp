@@ -1,6 +1,7 @@
 #include "strategies/strategy.h"
 
 #include "models/check.h"
+#include "strategies/device/device.h"
 
 namespace strata {
 
@@ -11,6 +12,7 @@ void Strategy::attach(models::BlockModel model) {
   STRATA_CHECK(!attached_, name() << ": attach() was already called on this strategy; a strategy serves one "
                                      "model, so create a new one (Registry::create) for another");
   attached_ = true;
+  device::guard_onednn_cache();  // before the strategy builds anything or starts threads
   attach_model(std::move(model));
 }
 

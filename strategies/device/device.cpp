@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -49,6 +50,15 @@ template <typename F>
 F onednn_symbol(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
 }
+// A capacity variable as oneDNN 2.x/3.x reads it: set, not empty, shorter than 12 characters
+// (longer values and empty ones are ignored there, and the next name or the default applies).
+const char* onednn_capacity_variable() {
+  for (const char* name : {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"}) {
+    const char* value = std::getenv(name);
+    if (value && *value && std::strlen(value) < 12) return name;
+  }
+  return nullptr;
+}
 }  // namespace
 
 const OnednnCacheGuard& guard_onednn_cache() {
@@ -58,7 +68,8 @@ const OnednnCacheGuard& guard_onednn_cache() {
     const auto get = onednn_symbol<int (*)(int*)>("dnnl_get_primitive_cache_capacity");
     const auto set = onednn_symbol<int (*)(int)>("dnnl_set_primitive_cache_capacity");
     if (!version || !get || !set) {
-      g.summary = "oneDNN: this LibTorch does not export its C API; its primitive cache is left as it is";
+      g.summary = "oneDNN: its C API is not among this process's global symbols; its primitive cache is left "
+                  "as it is";
       return g;
     }
     const OnednnVersion* v = version();
@@ -66,23 +77,29 @@ const OnednnCacheGuard& guard_onednn_cache() {
     g.affected = v->major < 3 || (v->major == 3 && v->minor < 4);
     int before = -1;
     if (get(&before) != 0) before = -1;
-    const char* variable = std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") ? "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-                           : std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY") ? "DNNL_PRIMITIVE_CACHE_CAPACITY"
-                                                                         : nullptr;
     const std::string head = "oneDNN " + g.version + ": ";
+    const std::string kept = "cache capacity " + std::to_string(before) + " left as it is";
     if (!g.affected) {
-      g.summary = head + "not affected by the descriptor use-after-free (fixed in 3.4); cache capacity " +
-                  std::to_string(before) + " left as it is";
-    } else if (variable) {
+      g.summary = head + "not affected by the descriptor use-after-free (fixed in 3.4); " + kept;
+    } else if (const char* variable = onednn_capacity_variable()) {
+      g.variable = variable;
       g.summary = head + "affected by the descriptor use-after-free, but " + variable + "=" + std::getenv(variable) +
-                  " is set, so the cache capacity stays " + std::to_string(before) +
+                  " is set: " + kept +
                   (before == 0 ? " (no cache: safe)" : " (evictions can crash bf16 matmuls on several threads)");
+    } else if (before == 0) {
+      g.summary = head + "affected by the descriptor use-after-free; the cache is off (capacity 0), which is safe: " +
+                  "left off";
+    } else if (before >= kOnednnCacheCapacity) {
+      g.summary = head + "affected by the descriptor use-after-free; " + kept + ", already large enough";
     } else {
-      g.raised = set(kOnednnCacheCapacity) == 0;
+      int after = -1;
+      if (set(kOnednnCacheCapacity) != 0 || get(&after) != 0) after = -1;
+      g.raised = after == kOnednnCacheCapacity;
       g.summary = head + "affected by the descriptor use-after-free; " +
                   (g.raised ? "primitive cache capacity raised from " + std::to_string(before) + " to " +
                                   std::to_string(kOnednnCacheCapacity) + " so that nothing is evicted"
-                            : "raising the primitive cache capacity failed; evictions can crash bf16 matmuls");
+                            : "raising the primitive cache capacity failed (it reads " + std::to_string(after) +
+                                  "); evictions can crash bf16 matmuls on several threads");
     }
     if (get(&g.capacity) != 0) g.capacity = -1;
     return g;

@@ -39,15 +39,20 @@ void synchronize_all();
 /// promise" or a segmentation fault. bf16 matmuls with a bias on several threads meet it (CPU
 /// pipeline stages, CPU ranks). oneDNN 3.4 fixed it (its commit 7d9257c).
 /// guard_onednn_cache() raises such a oneDNN's primitive cache capacity to kOnednnCacheCapacity,
-/// which no run fills, so nothing is evicted. It leaves the cache alone when oneDNN is 3.4 or
-/// newer, when LibTorch does not export oneDNN's C API, and when ONEDNN_PRIMITIVE_CACHE_CAPACITY or
-/// DNNL_PRIMITIVE_CACHE_CAPACITY is set (the user's choice). It acts once per process and is
-/// cheap to call again; Registry::create calls it.
+/// which no run fills, so nothing is evicted. The cost: the cache keeps every primitive the process
+/// built (one per distinct matmul shape and thread count; a few hundred MB after the CPU suite's
+/// most varied runs), and a primitive whose creation threw stays failed in the cache. It leaves the
+/// cache alone when oneDNN is 3.4 or newer, when oneDNN's C API is not among the process's global
+/// symbols (dlsym), when the cache is off (capacity 0) or already as large, and when
+/// ONEDNN_PRIMITIVE_CACHE_CAPACITY or DNNL_PRIMITIVE_CACHE_CAPACITY is set (the user's choice).
+/// It acts once per process and is cheap to call again; Strategy::attach calls it, before the
+/// strategy starts any thread.
 inline constexpr int kOnednnCacheCapacity = 1 << 20;
 struct OnednnCacheGuard {
   std::string version;     ///< oneDNN's version ("2.6.3"); empty when LibTorch does not export it
   bool affected = false;   ///< the version has the use-after-free (before 3.4)
-  bool raised = false;     ///< this process raised the capacity
+  std::string variable;    ///< the environment variable that set the capacity, when one did
+  bool raised = false;     ///< this call raised the capacity (read back from oneDNN)
   int capacity = -1;       ///< the cache's capacity after the call; -1 when unknown
   std::string summary;     ///< one line: what was found and done
 };
