@@ -11,7 +11,6 @@
 //
 //   strata_onednn_repro --capacity=64     evicting cache: fails on an affected oneDNN
 //   strata_onednn_repro --guard           the guard's cache: passes
-#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <array>
@@ -74,21 +73,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (guard) std::printf("%s\n", strata::device::guard_onednn_cache().summary.c_str());
-  if (capacity >= 0) {
-    const auto set = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "dnnl_set_primitive_cache_capacity"));
-    if (!set) {
-      std::fprintf(stderr, "strata_onednn_repro: --capacity=%d: oneDNN's C API is not among this process's symbols\n",
-                   capacity);
-      return 2;
-    }
-    if (set(capacity) != 0) {
-      std::fprintf(stderr, "strata_onednn_repro: --capacity=%d: oneDNN refused that capacity\n", capacity);
-      return 2;
-    }
+  if (capacity >= 0 && !strata::device::detail::set_onednn_cache_capacity(capacity)) {
+    std::fprintf(stderr,
+                 "strata_onednn_repro: --capacity=%d: oneDNN's C API is not among this process's symbols, or it "
+                 "refused that capacity\n",
+                 capacity);
+    return 2;
   }
-  int current = -1;
-  if (const auto get = reinterpret_cast<int (*)(int*)>(dlsym(RTLD_DEFAULT, "dnnl_get_primitive_cache_capacity")))
-    get(&current);
+  const int current = strata::device::detail::onednn_cache_capacity();
   std::printf("oneDNN primitive cache capacity %d; %d rounds of %d threads, %d linears each, over %d shapes\n",
               current, rounds, threads, per_thread, shapes);
   std::fflush(stdout);

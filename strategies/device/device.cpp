@@ -65,9 +65,8 @@ const OnednnCacheGuard& guard_onednn_cache() {
   static const OnednnCacheGuard guard = [] {
     OnednnCacheGuard g;
     const auto version = onednn_symbol<const OnednnVersion* (*)()>("dnnl_version");
-    const auto get = onednn_symbol<int (*)(int*)>("dnnl_get_primitive_cache_capacity");
-    const auto set = onednn_symbol<int (*)(int)>("dnnl_set_primitive_cache_capacity");
-    if (!version || !get || !set) {
+    const int before = detail::onednn_cache_capacity();
+    if (!version || before < 0) {
       g.summary = "oneDNN: its C API is not among this process's global symbols; its primitive cache is left "
                   "as it is";
       return g;
@@ -75,37 +74,46 @@ const OnednnCacheGuard& guard_onednn_cache() {
     const OnednnVersion* v = version();
     g.version = std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
     g.affected = v->major < 3 || (v->major == 3 && v->minor < 4);
-    int before = -1;
-    if (get(&before) != 0) before = -1;
+    g.capacity = before;
     const std::string head = "oneDNN " + g.version + ": ";
+    const std::string affected = head + "affected by the descriptor use-after-free";
     const std::string kept = "cache capacity " + std::to_string(before) + " left as it is";
     if (!g.affected) {
       g.summary = head + "not affected by the descriptor use-after-free (fixed in 3.4); " + kept;
     } else if (const char* variable = onednn_capacity_variable()) {
       g.variable = variable;
-      g.summary = head + "affected by the descriptor use-after-free, but " + variable + "=" + std::getenv(variable) +
-                  " is set: " + kept +
+      g.summary = affected + ", but " + variable + "=" + std::getenv(variable) + " is set: " + kept +
                   (before == 0 ? " (no cache: safe)" : " (evictions can crash bf16 matmuls on several threads)");
     } else if (before == 0) {
-      g.summary = head + "affected by the descriptor use-after-free; the cache is off (capacity 0), which is safe: " +
-                  "left off";
+      g.summary = affected + "; the cache is off (capacity 0), which is safe: left off";
     } else if (before >= kOnednnCacheCapacity) {
-      g.summary = head + "affected by the descriptor use-after-free; " + kept + ", already large enough";
+      g.summary = affected + "; " + kept + ", already large enough";
     } else {
-      int after = -1;
-      if (set(kOnednnCacheCapacity) != 0 || get(&after) != 0) after = -1;
-      g.raised = after == kOnednnCacheCapacity;
-      g.summary = head + "affected by the descriptor use-after-free; " +
+      detail::set_onednn_cache_capacity(kOnednnCacheCapacity);
+      g.capacity = detail::onednn_cache_capacity();
+      g.raised = g.capacity == kOnednnCacheCapacity;
+      g.summary = affected + "; " +
                   (g.raised ? "primitive cache capacity raised from " + std::to_string(before) + " to " +
                                   std::to_string(kOnednnCacheCapacity) + " so that nothing is evicted"
-                            : "raising the primitive cache capacity failed (it reads " + std::to_string(after) +
+                            : "raising the primitive cache capacity failed (it reads " + std::to_string(g.capacity) +
                                   "); evictions can crash bf16 matmuls on several threads");
     }
-    if (get(&g.capacity) != 0) g.capacity = -1;
     return g;
   }();
   return guard;
 }
+
+namespace detail {
+int onednn_cache_capacity() {
+  const auto get = onednn_symbol<int (*)(int*)>("dnnl_get_primitive_cache_capacity");
+  int capacity = -1;
+  return get && get(&capacity) == 0 ? capacity : -1;
+}
+bool set_onednn_cache_capacity(int capacity) {
+  const auto set = onednn_symbol<int (*)(int)>("dnnl_set_primitive_cache_capacity");
+  return set && set(capacity) == 0;
+}
+}  // namespace detail
 
 std::string name(const torch::Device& device) { return device.is_cuda() ? detail::cuda_name(device) : "cpu"; }
 

@@ -284,6 +284,11 @@ void cuda_synchronize(const torch::Device& device);
 std::string cuda_name(const torch::Device& device);
 std::shared_ptr<void> cuda_timing_event(const torch::Device& device);
 double cuda_elapsed_ms(const std::shared_ptr<void>& start, const std::shared_ptr<void>& stop);
+/// oneDNN's primitive cache capacity, read from oneDNN through its C API; -1 when the API is not
+/// among the process's global symbols or the call fails.
+int onednn_cache_capacity();
+/// Sets it; false when the API is absent or oneDNN refuses the value.
+bool set_onednn_cache_capacity(int capacity);
 }  // namespace detail
 
 }  // namespace strata::device
