@@ -63,9 +63,18 @@ one gate run read 0.854 and 0.849 x their baseline while the same cells, run aga
 minutes later in short invocations of their own, read 1.05 and 1.26 x (bench/NOTES.md, "The first gate run with the dispatch rule
 armed"). A regression in the code reads slow in both.
 
+With --promote PATH, a run that passes becomes the baseline (written to PATH, whole or not at all),
+unless: its context names no clean strata_commit (a later gate could not build its code to pair
+with); a cell passed only on a second reading or a pair (its failing first reading would become
+its bar); or, for a precision policy in both runs, its host dispatches slower than the baseline's by
+more than DISPATCH_TOLERANCE, or did not measure it where the baseline did (its launch-bound cells'
+bars would drop to that host's speed for every faster host after it; --promote-slower-host writes
+it anyway). It then exits 3 and leaves PATH as it was.
+
   python3 ci/gate.py CURRENT.json reports/baselines/nvidia-h200.json
   python3 ci/gate.py CURRENT.json BASELINE --recheck-list CELLS.txt   # then ci/recheck.py, then:
   python3 ci/gate.py CURRENT.json BASELINE --recheck RECHECK.json [--recheck-reference REFERENCE.json]
+  python3 ci/gate.py CURRENT.json reports/baselines/nvidia-h200.json --promote reports/baselines/nvidia-h200.json
 """
 import argparse
 import collections
@@ -74,6 +83,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -354,8 +364,10 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
 
 def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None,
             reference_cells=None, reference_ctx=None):
-    """(failures, notes, table, same host class, cells that failed on time and on nothing else)."""
+    """(failures, notes, table, same host class, cells that failed on time and on nothing else, cells
+    whose first reading failed and that were gated on a second reading or a pair instead)."""
     failures, notes, table = [], [], []
+    rescued = set()
     time_failed, other_failed = set(), set()  # cells; other_failed: any failure but on time
     same_host = same_host_class(now_ctx, base_ctx)
     precisions = sorted({precision_of(n) for n in base_cells} & {precision_of(n) for n in now_cells})
@@ -448,11 +460,13 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
                     notes.append(f"{name}: the baseline's own code was not measured beside it")
                 if paired is not None:
                     outcome = paired
+                    rescued.add(name)
                 elif not again_same_host:
                     notes.append(f"{name}: its second reading is not used: it ran on a host of another class than "
                                  f"the run's")
                 else:
                     outcome = second_reading(name, outcome, again, base["reps"], checks, now_us, base_us, args, notes)
+                    rescued.add(name)
         for c in outcome:
             table.append((name, c.key, c.ratio, c.threshold, c.reps, len(base["reps"])))
             if c.failed:
@@ -472,7 +486,35 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
     # What a second reading could clear: cells that failed on time alone, and none where any other
     # failure stands (the gate fails then whatever the second readings say).
     clearable = sorted(time_failed - other_failed) if not other_failed else []
-    return failures, notes, table, same_host, clearable
+    return failures, notes, table, same_host, clearable, sorted(rescued)
+
+
+def promotion_refusal(now_cells, now_ctx, base_cells, base_ctx, rescued, slower_host_ok):
+    """Why a run that passed the gate may not become the baseline (--promote), or None. A baseline's
+    readings become every later run's bars, so it must be one run's readings that passed as they
+    are, on a host not slower at dispatching than the baseline's, and it must name its code."""
+    commit = str(now_ctx.get("strata_commit", "") or "")
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return (f"its context's strata_commit is '{commit or 'missing'}', not a clean commit: a baseline names "
+                f"the code that measured it, so that a later gate can build that code and measure beside it")
+    if rescued:
+        shown = ", ".join(rescued[:4]) + (f" and {len(rescued) - 4} more" if len(rescued) > 4 else "")
+        return (f"{len(rescued)} cell(s) passed only on a second reading, their first readings failing ({shown}): "
+                f"as a baseline those first readings would lower their bars; measure the run again")
+    if slower_host_ok:
+        return None
+    for p in sorted({precision_of(n) for n in now_cells} & {precision_of(n) for n in base_cells}):
+        now_us, base_us = dispatch_us(now_cells, now_ctx, p), dispatch_us(base_cells, base_ctx, p)
+        if base_us > 0 and now_us <= 0:
+            return (f"the baseline measured its host's dispatch speed in the {p} cells ({base_us:.2f} us) and this "
+                    f"run did not, so it cannot tell whether this host is slower (--promote-slower-host: write it "
+                    f"anyway)")
+        if base_us > 0 and now_us > (1.0 + DISPATCH_TOLERANCE) * base_us:
+            return (f"this host dispatches {p} operators at {now_us:.2f} us against the baseline's {base_us:.2f} "
+                    f"(slower by more than {DISPATCH_TOLERANCE:.0%}): the bars of cells bound by dispatching would "
+                    f"drop to this host's speed for every faster host after it (--promote-slower-host: write it "
+                    f"anyway)")
+    return None
 
 
 def main(argv=None):
@@ -506,14 +548,23 @@ def main(argv=None):
     ap.add_argument("--recheck-list", metavar="PATH",
                     help="write the cells that failed on time and on nothing else, one a line; empty if none, or if "
                          "any other failure stands (the gate fails then whatever a second reading says)")
+    ap.add_argument("--promote", metavar="PATH",
+                    help="where the gate passes: write CURRENT to PATH (usually BASELINE itself) as the new baseline, "
+                         "unless it names no clean strata_commit, passed only through a second reading, or ran on "
+                         "a host that dispatches slower than the baseline's beyond the tolerance (exit 3 then, "
+                         "nothing written)")
+    ap.add_argument("--promote-slower-host", action="store_true",
+                    help="with --promote: write it although this host dispatches slower than the baseline's")
     args = ap.parse_args(argv)
+    if args.promote_slower_host and not args.promote:
+        ap.error("--promote-slower-host goes with --promote")
     now_cells, now_ctx = load(args.current)
     base_cells, base_ctx = load(args.baseline)
     recheck_cells, recheck_ctx = load(args.recheck) if args.recheck else (None, None)
     if args.recheck_reference and not args.recheck:
         ap.error("--recheck-reference goes with --recheck")
     reference_cells, reference_ctx = load(args.recheck_reference) if args.recheck_reference else (None, None)
-    failures, notes, table, same_host, time_only = compare(now_cells, now_ctx, base_cells, base_ctx, args,
+    failures, notes, table, same_host, time_only, rescued = compare(now_cells, now_ctx, base_cells, base_ctx, args,
                                                            recheck_cells, recheck_ctx, reference_cells, reference_ctx)
     if args.recheck_list:
         with open(args.recheck_list, "w") as f:
@@ -539,6 +590,17 @@ def main(argv=None):
           f"host-bound cell's whole step, at most {args.max_dispatch_drop:.0%} where a host that dispatches slower "
           f"lowered a bar, any device's peak rise <= {args.memory_rise:.0%}, "
           f"{args.shared_device_memory_rise:.0%} for bf16/fp16 pipelines whose ranks share a device)")
+    if args.promote:
+        why = promotion_refusal(now_cells, now_ctx, base_cells, base_ctx, rescued, args.promote_slower_host)
+        if why:
+            print(f"promote: refused, {args.promote} left as it was: {why}")
+            return 3
+        # Whole or not at all: a copy beside the target, then renamed over it.
+        partial = args.promote + ".partial"
+        shutil.copyfile(args.current, partial)
+        os.replace(partial, args.promote)
+        print(f"promote: {args.current} written to {args.promote} (strata_commit {now_ctx['strata_commit'][:12]}; "
+              f"host {host_class(now_ctx, now_cells)})")
     return 0
 
 

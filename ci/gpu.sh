@@ -38,6 +38,8 @@
 # root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
 # commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
 # -dirty where the checkout has any change),
+# STRATA_PROMOTE (1: a run that passes the gate is written over the baseline, where ci/gate.py
+# --promote allows it; the job fails where it does not),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
@@ -386,10 +388,15 @@ reference_bench() {
   ref_bin=$src/build/cuda/bench/strata_bench ref_commit=$commit
 }
 note=""
+# STRATA_PROMOTE=1: a run that passes becomes the baseline, written over it, where ci/gate.py
+# --promote allows (its code named, no cell passed only on a second reading, a host not slower at
+# dispatching than the baseline's); where it does not, the job fails and gate.txt says why.
+promote=()
+[ "${STRATA_PROMOTE:-0}" = 1 ] && promote=(--promote "$baseline")
 if [ -f "$baseline" ]; then
   rm -f "$outdir"/gate-first.txt "$outdir"/recheck*
   if ! python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck-list "$outdir/recheck-cells.txt" \
-      | tee "$outdir/gate.txt"; then
+      ${promote[@]+"${promote[@]}"} | tee "$outdir/gate.txt"; then
     # Cells that failed on time alone are measured again, each in a strata_bench process of its
     # own, and the gate takes the second reading of those (ci/gate.py says why); the first gate's
     # output stays beside it. At most STRATA_RECHECK_CELLS (default 8; 0: none) are measured again.
@@ -419,7 +426,8 @@ if [ -f "$baseline" ]; then
       if [ -f "$outdir/recheck.json" ]; then
         { echo "The gate's first output is in gate-first.txt; cells marked 'again' below were gated on a second reading, 'paired' on their ratio to the baseline's own code measured beside them."
           grep -h "budget-s=" "$outdir/recheck-log.txt" | sed 's/^recheck.py: /note: /' || true
-          python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck "$outdir/recheck.json" ${gate_ref[@]+"${gate_ref[@]}"}; } \
+          python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck "$outdir/recheck.json" ${gate_ref[@]+"${gate_ref[@]}"} \
+            ${promote[@]+"${promote[@]}"}; } \
           | tee "$outdir/gate.txt" || status=1
       else
         cp "$outdir/gate-first.txt" "$outdir/gate.txt"

@@ -3,7 +3,9 @@
 should (throughput within and beyond its spread-derived threshold, memory growth on any device, a
 missing cell, a newly errored or parity-failed or out-of-memory cell, an unusable baseline, host-bound
 cells on hosts of different CPU classes, pipeline cells whose ranks share a device, cells bound by the
-host's dispatching on a slower or faster host, new cells). Runs in CI (ctest: cpu.gate_self_test).
+host's dispatching on a slower or faster host, new cells; --promote writing a passing run over the
+baseline, and refusing one that names no clean commit, passed only on a second reading, or ran on a
+host that dispatches slower). Runs in CI (ctest: cpu.gate_self_test).
 
   python3 ci/test_gate.py
 """
@@ -53,10 +55,12 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the baseline's commit, an
 
 def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, triad_base=0.0, dispatch_now=0.0,
         dispatch_base=0.0, recheck=None, listed=None, dispatch_again=None, triad_again=None, reference=None,
-        host_ref=None, commit_base=COMMIT, commit_ref=COMMIT):
+        host_ref=None, commit_base=COMMIT, commit_ref=COMMIT, commit_now=None, promote=(), promoted=None):
     """gate.main on the two runs (and `recheck`, the cells measured again, and `reference`, the
     baseline's code measured beside them, if given): (exit status, output). `listed`, a list,
-    receives the cells --recheck-list names."""
+    receives the cells --recheck-list names. `promote`: extra arguments, e.g. ["--promote"], which
+    then names the baseline's own file, as a GPU runner refreshing it would; `promoted`, a list,
+    receives what that file holds afterwards: "current", "baseline" (untouched) or "other"."""
     with tempfile.TemporaryDirectory() as d:
         paths = []
         runs = [(current, host_now, triad_now, dispatch_now, "now"), (baseline, host_base, triad_base, dispatch_base, "base")]
@@ -77,6 +81,8 @@ def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, t
                     context["strata_commit"] = commit_ref
             if tag == "base" and commit_base:
                 context["strata_commit"] = commit_base
+            if tag == "now" and commit_now:
+                context["strata_commit"] = commit_now
             with open(p, "w") as f:
                 json.dump({"context": context, "benchmarks": rows}, f)
             paths.append(p)
@@ -85,12 +91,19 @@ def run(current, baseline, host_now="cpu-a", host_base="cpu-a", triad_now=0.0, t
             argv += ["--recheck", paths[2]]
         if reference is not None:
             argv += ["--recheck-reference", paths[-1]]
+        for a in promote:  # --promote names the baseline's own file
+            argv += [a, paths[1]] if a == "--promote" else [a]
+        contents = [open(p, "rb").read() for p in paths[:2]]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             status = gate.main(argv)
         if listed is not None:
             with open(os.path.join(d, "cells.txt")) as f:
                 listed.extend(line.strip() for line in f)
+        if promoted is not None:
+            held = open(paths[1], "rb").read()
+            promoted.append("current" if held == contents[0] else "baseline" if held == contents[1] else "other")
+            assert not os.path.exists(paths[1] + ".partial"), "a partial copy was left beside the baseline"
         return status, out.getvalue()
 
 
@@ -582,8 +595,9 @@ def the_pair_must_be_the_baselines_commit_on_the_same_cpu():
     expect(status, out, 1, "not paired: the baseline's code ran on another CPU (cpu-z against cpu-a)")
 
 
-@case
-def a_reference_without_a_second_reading_is_refused():
+def refused_arguments(extra, message):
+    """gate.main on a run against itself with `extra` arguments (the run's path for "RUN") must stop
+    at parsing, exit 2, and say `message`."""
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "r.json")
         with open(p, "w") as f:
@@ -591,12 +605,107 @@ def a_reference_without_a_second_reading_is_refused():
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                gate.main([p, p, "--no-compare", "--recheck-reference", p])
+                gate.main([p, p, "--no-compare"] + [p if a == "RUN" else a for a in extra])
             except SystemExit as e:
                 assert e.code == 2, e.code
             else:
-                raise AssertionError("--recheck-reference without --recheck was accepted")
-        assert "--recheck-reference goes with --recheck" in err.getvalue(), err.getvalue()
+                raise AssertionError(f"{extra} was accepted")
+        assert message in err.getvalue(), err.getvalue()
+
+
+@case
+def a_reference_without_a_second_reading_is_refused():
+    refused_arguments(["--recheck-reference", "RUN"], "--recheck-reference goes with --recheck")
+
+
+CLEAN = "fedcba9876543210fedcba9876543210fedcba98"  # the run's own commit, for --promote
+
+
+@case
+def promotes_a_passing_run_that_names_its_commit_onto_the_baseline():
+    base, now = reps("a/m", 1000, 0.02), reps("a/m", 1010, 0.02)
+    held = []
+    status, out = run(now, base, commit_now=CLEAN, promote=["--promote"], promoted=held, dispatch_now=5.2,
+                      dispatch_base=5.0)
+    expect(status, out, 0, "promote: ")
+    assert "written to" in out and "strata_commit fedcba987654" in out, out
+    assert held == ["current"], held
+    # Without --promote the baseline is never touched.
+    held = []
+    expect(*run(now, base, commit_now=CLEAN, promoted=held), 0, "gate: PASS")
+    assert held == ["baseline"], held
+
+
+@case
+def promotes_nothing_from_a_failing_run():
+    held = []
+    status, out = run(reps("a/m", 800, 0.02), reps("a/m", 1000, 0.02), commit_now=CLEAN, promote=["--promote"],
+                      promoted=held)
+    expect(status, out, 1, "gate: FAIL")
+    assert "promote:" not in out and held == ["baseline"], (held, out)
+
+
+@case
+def refuses_to_promote_a_run_that_names_no_clean_commit():
+    base = reps("a/m", 1000, 0.02)
+    for commit in (None, CLEAN + "-dirty", "unknown"):
+        held = []
+        status, out = run(base, base, commit_now=commit, promote=["--promote"], promoted=held)
+        expect(status, out, 3, "promote: refused")
+        assert "not a clean commit" in out and held == ["baseline"], (commit, held, out)
+
+
+@case
+def refuses_to_promote_a_run_from_a_host_that_dispatches_slower():
+    base = reps("a/m", 1000, 0.02) + reps("b/m", 500, 0.02, dispatch=0.0)
+    held = []
+    # 8.8 us against 5.0: the gate passes (these cells are bound by their device), the baseline is kept.
+    status, out = run(base, base, commit_now=CLEAN, promote=["--promote"], promoted=held, dispatch_now=8.8,
+                      dispatch_base=5.0)
+    expect(status, out, 3, "this host dispatches fp32 operators at 8.80 us against the baseline's 5.00")
+    assert "gate: PASS" in out and held == ["baseline"], (held, out)
+    # Within the tolerance (10%) it is written; beyond it, only when told to.
+    for now_us, flags, want, holds in ((5.45, ["--promote"], 0, "current"),
+                                       (5.55, ["--promote"], 3, "baseline"),
+                                       (8.8, ["--promote", "--promote-slower-host"], 0, "current")):
+        held = []
+        status, out = run(base, base, commit_now=CLEAN, promote=flags, promoted=held, dispatch_now=now_us,
+                          dispatch_base=5.0)
+        expect(status, out, want)
+        assert held == [holds], (now_us, flags, held, out)
+    # A run that did not measure the host's dispatching where the baseline did cannot tell.
+    held = []
+    status, out = run(base, base, commit_now=CLEAN, promote=["--promote"], promoted=held, dispatch_base=5.0)
+    expect(status, out, 3, "cannot tell whether this host is slower")
+    assert held == ["baseline"], held
+    # A bf16 cell's own probe counts for the bf16 policy.
+    fast, slow = reps("c[precision=bf16]/m", 800, 0.02, probe=5.0), reps("c[precision=bf16]/m", 800, 0.02, probe=7.0)
+    held = []
+    status, out = run(slow, fast, commit_now=CLEAN, promote=["--promote"], promoted=held)
+    expect(status, out, 3, "dispatches bf16 operators at 7.00 us against the baseline's 5.00")
+    assert held == ["baseline"], held
+
+
+@case
+def refuses_to_promote_a_run_that_passed_only_on_a_second_reading():
+    base = reps("a/m", 1000, 0.02) + reps("b/m", 500, 0.02)
+    now = reps("a/m", 850, 0.02) + reps("b/m", 500, 0.02)
+    held = []
+    status, out = run(now, base, recheck=reps("a/m", 1050, 0.02), commit_now=CLEAN, promote=["--promote"],
+                      promoted=held)
+    expect(status, out, 3, "1 cell(s) passed only on a second reading, their first readings failing (a/m)")
+    assert "gate: PASS" in out and held == ["baseline"], (held, out)
+    # A cell measured again that had passed in the run is not such a cell.
+    held = []
+    status, out = run(base, base, recheck=reps("a/m", 500, 0.02), commit_now=CLEAN, promote=["--promote"],
+                      promoted=held)
+    expect(status, out, 0, "written to")
+    assert held == ["current"], held
+
+
+@case
+def the_slower_host_override_goes_with_promote():
+    refused_arguments(["--promote-slower-host"], "--promote-slower-host goes with --promote")
 
 
 def run_cases(cases, what):

@@ -308,5 +308,18 @@ grep -q "baseline/gpt-medium: throughput" "$out/gate.txt" && grep -q "baseline/g
 doctor peak_allocated_bytes 0.5
 job bench && fail "a run whose cell's memory rose exited 0"
 ! grep -q recheck "$work/calls" || fail "a memory rise was measured again"
+# STRATA_PROMOTE=1: a run that passes is written over the baseline; one that passed only on a
+# second reading is not, and the job fails saying why.
+clean=fedcba9876543210fedcba9876543210fedcba98
+baseline_file=$work/repo/reports/baselines/stub-gpu.json
+doctor items_per_second 1.0
+STRATA_PROMOTE=1 STRATA_COMMIT=$clean job bench || { cat "$work/log"; fail "a passing run with STRATA_PROMOTE=1 exited non-zero"; }
+cmp -s "$out/bench-gated.json" "$baseline_file" && grep -q "^promote: .* written to reports/baselines/stub-gpu.json" "$out/gate.txt" \
+  || { tail -n 4 "$out/gate.txt"; fail "STRATA_PROMOTE=1 did not write the passing run over the baseline"; }
+doctor items_per_second 1.3
+cp "$baseline_file" "$work/held.json"
+STRATA_PROMOTE=1 STRATA_COMMIT=$clean job bench && fail "a run that passed only on a second reading was promoted"
+cmp -s "$baseline_file" "$work/held.json" && grep -q "^promote: refused" "$out/gate.txt" && grep -q "gate: PASS" "$out/gate.txt" \
+  || fail "a refused promotion changed the baseline or did not say why"
 rm "$work/repo/reports/baselines/stub-gpu.json"
-echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code, the gate phase alone, its budget)"
+echo "test_gpu_job: ok (matrix, bench reusing it once, failed runs, rebuilds, other code and other settings measuring again, a rebuild's reuse on request, a slow cell measured again, alone and beside the baseline's code, the gate phase alone, its budget, STRATA_PROMOTE)"
