@@ -78,6 +78,7 @@ it anyway). It then exits 3 and leaves PATH as it was.
 """
 import argparse
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -365,7 +366,8 @@ def paired_reading(name, outcome, again, reference, base_rows, checks, args, not
 def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, recheck_ctx=None,
             reference_cells=None, reference_ctx=None):
     """(failures, notes, table, same host class, cells that failed on time and on nothing else, cells
-    whose first reading failed and that were gated on a second reading or a pair instead)."""
+    whose first reading failed and that were then gated on a second reading or a pair, whatever it
+    said)."""
     failures, notes, table = [], [], []
     rescued = set()
     time_failed, other_failed = set(), set()  # cells; other_failed: any failure but on time
@@ -550,9 +552,9 @@ def main(argv=None):
                          "any other failure stands (the gate fails then whatever a second reading says)")
     ap.add_argument("--promote", metavar="PATH",
                     help="where the gate passes: write CURRENT to PATH (usually BASELINE itself) as the new baseline, "
-                         "unless it names no clean strata_commit, passed only through a second reading, or ran on "
-                         "a host that dispatches slower than the baseline's beyond the tolerance (exit 3 then, "
-                         "nothing written)")
+                         "unless its strata_commit is not a clean commit's 40 hex digits, a cell passed only through "
+                         "a second reading or a pair, or its host dispatches slower than the baseline's beyond the "
+                         "tolerance or did not measure it where the baseline did (exit 3 then, nothing written)")
     ap.add_argument("--promote-slower-host", action="store_true",
                     help="with --promote: write it although this host dispatches slower than the baseline's")
     args = ap.parse_args(argv)
@@ -595,10 +597,16 @@ def main(argv=None):
         if why:
             print(f"promote: refused, {args.promote} left as it was: {why}")
             return 3
-        # Whole or not at all: a copy beside the target, then renamed over it.
+        # Whole or not at all: a copy beside the target, then renamed over it; none left on failure.
         partial = args.promote + ".partial"
-        shutil.copyfile(args.current, partial)
-        os.replace(partial, args.promote)
+        try:
+            shutil.copyfile(args.current, partial)
+            os.replace(partial, args.promote)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            print(f"promote: could not write {args.promote}: {e}")
+            return 3
         print(f"promote: {args.current} written to {args.promote} (strata_commit {now_ctx['strata_commit'][:12]}; "
               f"host {host_class(now_ctx, now_cells)})")
     return 0

@@ -38,8 +38,9 @@
 # root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
 # commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
 # -dirty where the checkout has any change),
-# STRATA_PROMOTE (1: a run that passes the gate is written over the baseline, where ci/gate.py
-# --promote allows it; the job fails where it does not),
+# STRATA_PROMOTE (1: a run that passes the gate, in a job nothing failed in before it, is written over
+# the baseline where ci/gate.py --promote allows it; the job fails where it does not, and where
+# there is no baseline),
 # STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
 # baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
 #
@@ -79,6 +80,8 @@ for setting in STRATA_RECHECK_CELLS STRATA_RECHECK_BUDGET_S; do
   value=${!setting:-0}
   [[ $value =~ ^[0-9]+$ ]] || { echo "ci/gpu.sh: $setting='$value': not a whole number"; exit 2; }
 done
+
+[[ ${STRATA_PROMOTE:-0} =~ ^[01]$ ]] || { echo "ci/gpu.sh: STRATA_PROMOTE='$STRATA_PROMOTE': 0 or 1"; exit 2; }
 
 t0=$(date +%s)
 cmake --preset cuda > "$outdir/build.log" 2>&1
@@ -315,6 +318,55 @@ python3 reports/make_report.py --strata "$outdir/bench-bf16.json" --peers "$outd
 fi  # gate_only
 
 
+# The gate on this very run: it passes against itself and fails on each doctored copy — a
+# baseline claiming 20% more throughput for one cell, or 20% less memory on one device of one
+# cell; a run missing one cell, or with one cell errored. A branch that passes is a broken gate.
+# Before the gate itself, so that a broken gate fails the job before it can promote a run.
+python3 ci/gate.py "$outdir/bench.json" "$outdir/bench.json" --no-compare > "$outdir/gate_self.txt" \
+  || { echo "gate self-test: FAILED on itself"; status=1; }
+python3 - "$outdir" <<'PY'
+import copy, json, sys
+out = sys.argv[1]
+doc = json.load(open(f"{out}/bench.json"))
+ok = [b for b in doc["benchmarks"] if not b.get("error_occurred") and b.get("run_type", "iteration") == "iteration"]
+cell = ok[0]["name"]
+def write(name, d):
+    json.dump(d, open(f"{out}/{name}.json", "w"))
+d = copy.deepcopy(doc)
+for b in d["benchmarks"]:
+    if b["name"] == cell:
+        b["items_per_second"] *= 1.2
+write("doctored-throughput", d)
+d = copy.deepcopy(doc)
+devices = [k for k in ok[-1] if k.startswith("peak_allocated_bytes")]
+for b in d["benchmarks"]:
+    if b["name"] == ok[-1]["name"]:
+        b[devices[-1]] *= 0.8
+write("doctored-memory", d)
+d = copy.deepcopy(doc)
+d["benchmarks"] = [b for b in d["benchmarks"] if b["name"] != cell]
+write("doctored-missing", d)
+d = copy.deepcopy(doc)
+for b in d["benchmarks"]:
+    if b["name"] == cell:
+        b.update(error_occurred=True, error_message="error: doctored")
+write("doctored-errored", d)
+print(f"doctored from {cell} and {ok[-1]['name']} ({devices[-1]})")
+PY
+: > "$outdir/gate_doctored.txt"
+for branch in throughput memory missing errored; do
+  case $branch in
+    throughput|memory) args=("$outdir/bench.json" "$outdir/doctored-$branch.json") ;;  # doctored baseline
+    *) args=("$outdir/doctored-$branch.json" "$outdir/bench.json") ;;                  # doctored run
+  esac
+  if python3 ci/gate.py "${args[@]}" --no-compare >> "$outdir/gate_doctored.txt"; then
+    echo "gate self-test: the doctored $branch branch PASSED — the gate is broken"; status=1
+  else
+    echo "gate self-test: the doctored $branch branch fails, as it must"
+  fi
+done
+rm -f "$outdir"/doctored-*.json
+
 # The gate: against the committed baseline for this machine. A machine without one fails the job
 # unless STRATA_ALLOW_NO_BASELINE=1, and then the report says the run was not gated.
 baseline="reports/baselines/$gpu_key.json"
@@ -392,7 +444,15 @@ note=""
 # --promote allows (its code named, no cell passed only on a second reading, a host not slower at
 # dispatching than the baseline's); where it does not, the job fails and gate.txt says why.
 promote=()
-[ "${STRATA_PROMOTE:-0}" = 1 ] && promote=(--promote "$baseline")
+if [ "${STRATA_PROMOTE:-0}" = 1 ]; then
+  if [ ! -f "$baseline" ]; then
+    echo "ci/gpu.sh: STRATA_PROMOTE=1: no $baseline to gate against; a first baseline is committed by hand"; status=1
+  elif [ "$status" != 0 ]; then
+    echo "ci/gpu.sh: STRATA_PROMOTE=1: the job has already failed; the baseline is not refreshed from it"
+  else
+    promote=(--promote "$baseline")
+  fi
+fi
 if [ -f "$baseline" ]; then
   rm -f "$outdir"/gate-first.txt "$outdir"/recheck*
   if ! python3 ci/gate.py "$outdir/bench-gated.json" "$baseline" --recheck-list "$outdir/recheck-cells.txt" \
@@ -448,51 +508,4 @@ fi
   --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
   --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 
-# The gate on this very run: it passes against itself and fails on each doctored copy — a
-# baseline claiming 20% more throughput for one cell, or 20% less memory on one device of one
-# cell; a run missing one cell, or with one cell errored. A branch that passes is a broken gate.
-python3 ci/gate.py "$outdir/bench.json" "$outdir/bench.json" --no-compare > "$outdir/gate_self.txt" \
-  || { echo "gate self-test: FAILED on itself"; status=1; }
-python3 - "$outdir" <<'PY'
-import copy, json, sys
-out = sys.argv[1]
-doc = json.load(open(f"{out}/bench.json"))
-ok = [b for b in doc["benchmarks"] if not b.get("error_occurred") and b.get("run_type", "iteration") == "iteration"]
-cell = ok[0]["name"]
-def write(name, d):
-    json.dump(d, open(f"{out}/{name}.json", "w"))
-d = copy.deepcopy(doc)
-for b in d["benchmarks"]:
-    if b["name"] == cell:
-        b["items_per_second"] *= 1.2
-write("doctored-throughput", d)
-d = copy.deepcopy(doc)
-devices = [k for k in ok[-1] if k.startswith("peak_allocated_bytes")]
-for b in d["benchmarks"]:
-    if b["name"] == ok[-1]["name"]:
-        b[devices[-1]] *= 0.8
-write("doctored-memory", d)
-d = copy.deepcopy(doc)
-d["benchmarks"] = [b for b in d["benchmarks"] if b["name"] != cell]
-write("doctored-missing", d)
-d = copy.deepcopy(doc)
-for b in d["benchmarks"]:
-    if b["name"] == cell:
-        b.update(error_occurred=True, error_message="error: doctored")
-write("doctored-errored", d)
-print(f"doctored from {cell} and {ok[-1]['name']} ({devices[-1]})")
-PY
-: > "$outdir/gate_doctored.txt"
-for branch in throughput memory missing errored; do
-  case $branch in
-    throughput|memory) args=("$outdir/bench.json" "$outdir/doctored-$branch.json") ;;  # doctored baseline
-    *) args=("$outdir/doctored-$branch.json" "$outdir/bench.json") ;;                  # doctored run
-  esac
-  if python3 ci/gate.py "${args[@]}" --no-compare >> "$outdir/gate_doctored.txt"; then
-    echo "gate self-test: the doctored $branch branch PASSED — the gate is broken"; status=1
-  else
-    echo "gate self-test: the doctored $branch branch fails, as it must"
-  fi
-done
-rm -f "$outdir"/doctored-*.json
 exit $status

@@ -648,7 +648,7 @@ def promotes_nothing_from_a_failing_run():
 @case
 def refuses_to_promote_a_run_that_names_no_clean_commit():
     base = reps("a/m", 1000, 0.02)
-    for commit in (None, CLEAN + "-dirty", "unknown"):
+    for commit in (None, CLEAN + "-dirty", "unknown", CLEAN.upper(), CLEAN[:12]):
         held = []
         status, out = run(base, base, commit_now=commit, promote=["--promote"], promoted=held)
         expect(status, out, 3, "promote: refused")
@@ -695,12 +695,52 @@ def refuses_to_promote_a_run_that_passed_only_on_a_second_reading():
                       promoted=held)
     expect(status, out, 3, "1 cell(s) passed only on a second reading, their first readings failing (a/m)")
     assert "gate: PASS" in out and held == ["baseline"], (held, out)
+    # Nor one that passed paired against the baseline's code beside it (the first reading 0.650 x).
+    base_l, now_l = reps("l/m", 1000, 0.02), reps("l/m", 650, 0.02)
+    again, ref = processes("l/m", [655, 650, 660, 652]), processes("l/m", [660, 655, 650, 658])
+    held = []
+    status, out = run(now_l, base_l, recheck=again, reference=ref, commit_now=CLEAN, promote=["--promote"],
+                      promoted=held)
+    expect(status, out, 3, "passed only on a second reading, their first readings failing (l/m)")
+    assert "the host, not the code" in out and held == ["baseline"], (held, out)
     # A cell measured again that had passed in the run is not such a cell.
     held = []
     status, out = run(base, base, recheck=reps("a/m", 500, 0.02), commit_now=CLEAN, promote=["--promote"],
                       promoted=held)
     expect(status, out, 0, "written to")
     assert held == ["current"], held
+
+
+@case
+def the_slower_host_override_waives_nothing_else():
+    base = reps("a/m", 1000, 0.02)
+    for commit in (CLEAN + "-dirty", None):
+        held = []
+        status, out = run(base, base, commit_now=commit, promote=["--promote", "--promote-slower-host"], promoted=held,
+                          dispatch_now=8.8, dispatch_base=5.0)
+        expect(status, out, 3, "not a clean commit")
+        assert held == ["baseline"], held
+    base2, now2 = reps("a/m", 1000, 0.02) + reps("b/m", 500, 0.02), reps("a/m", 850, 0.02) + reps("b/m", 500, 0.02)
+    held = []
+    status, out = run(now2, base2, recheck=reps("a/m", 1050, 0.02), commit_now=CLEAN, promoted=held,
+                      promote=["--promote", "--promote-slower-host"])
+    expect(status, out, 3, "passed only on a second reading")
+    assert held == ["baseline"], held
+
+
+@case
+def a_promotion_that_cannot_be_written_says_so_and_leaves_no_partial_copy():
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "r.json")
+        with open(p, "w") as f:
+            json.dump({"context": {"strata_commit": CLEAN}, "benchmarks": reps("a/m", 1000)}, f)
+        target = os.path.join(d, "baseline-dir")
+        os.mkdir(target)  # a folder where the baseline's file should be: the rename cannot replace it
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = gate.main([p, p, "--no-compare", "--promote", target])
+        expect(status, out.getvalue(), 3, f"promote: could not write {target}")
+        assert not os.path.exists(target + ".partial") and os.path.isdir(target), os.listdir(d)
 
 
 @case

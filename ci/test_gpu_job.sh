@@ -316,6 +316,16 @@ doctor items_per_second 1.0
 STRATA_PROMOTE=1 STRATA_COMMIT=$clean job bench || { cat "$work/log"; fail "a passing run with STRATA_PROMOTE=1 exited non-zero"; }
 cmp -s "$out/bench-gated.json" "$baseline_file" && grep -q "^promote: .* written to reports/baselines/stub-gpu.json" "$out/gate.txt" \
   || { tail -n 4 "$out/gate.txt"; fail "STRATA_PROMOTE=1 did not write the passing run over the baseline"; }
+cp "$baseline_file" "$work/held.json"
+# Refused at the first gate (no clean commit named: the stand-in repository has no git history), in
+# a job that failed before the gate (a peer failed), and a value that is not 0 or 1 before anything runs.
+STRATA_PROMOTE=1 job bench && fail "a run naming no clean commit was promoted"
+cmp -s "$baseline_file" "$work/held.json" && grep -q "^promote: refused.*not a clean commit" "$out/gate.txt" \
+  || fail "a run naming no clean commit changed the baseline, or gate.txt does not say why"
+STUB_PEERS_FAIL=1 STRATA_PROMOTE=1 STRATA_COMMIT=$clean job bench && fail "a job whose peer failed passed"
+cmp -s "$baseline_file" "$work/held.json" && grep -q "the job has already failed; the baseline is not refreshed" "$work/log" \
+  || fail "a job that had already failed refreshed the baseline, or did not say why not"
+STRATA_PROMOTE=yes job bench; [ $? = 2 ] && [ ! -s "$work/calls" ] || fail "STRATA_PROMOTE=yes was not refused before any work"
 doctor items_per_second 1.3
 cp "$baseline_file" "$work/held.json"
 STRATA_PROMOTE=1 STRATA_COMMIT=$clean job bench && fail "a run that passed only on a second reading was promoted"
