@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -665,7 +666,9 @@ def refuses_to_promote_a_run_from_a_host_that_dispatches_slower():
     expect(status, out, 3, "this host dispatches fp32 operators at 8.80 us against the baseline's 5.00")
     assert "gate: PASS" in out and held == ["baseline"], (held, out)
     # Within the tolerance (10%) it is written; beyond it, only when told to.
+    # "More than 10%": exactly 10% slower (5.5 against 5.0) is still written.
     for now_us, flags, want, holds in ((5.45, ["--promote"], 0, "current"),
+                                       (5.5, ["--promote"], 0, "current"),
                                        (5.55, ["--promote"], 3, "baseline"),
                                        (8.8, ["--promote", "--promote-slower-host"], 0, "current")):
         held = []
@@ -741,6 +744,36 @@ def a_promotion_that_cannot_be_written_says_so_and_leaves_no_partial_copy():
             status = gate.main([p, p, "--no-compare", "--promote", target])
         expect(status, out.getvalue(), 3, f"promote: could not write {target}")
         assert not os.path.exists(target + ".partial") and os.path.isdir(target), os.listdir(d)
+
+
+@case
+def a_promotion_that_fails_while_writing_leaves_the_baseline_whole():
+    with tempfile.TemporaryDirectory() as d:
+        p, target = os.path.join(d, "r.json"), os.path.join(d, "baseline.json")
+        with open(p, "w") as f:
+            json.dump({"context": {"strata_commit": CLEAN}, "benchmarks": reps("a/m", 1000)}, f)
+        shutil.copyfile(p, target)
+        with open(target, "a") as f:
+            f.write("\n")  # the baseline's bytes differ from the run's, so a half-written file shows
+        with open(target) as f:
+            before = f.read()
+
+        def copy_half_then_fail(src, dst, *a, **k):  # a disk that fills up halfway through the copy
+            with open(src) as s_, open(dst, "w") as d_:
+                d_.write(s_.read()[: len(before) // 2])
+            raise OSError(28, "No space left on device")
+
+        real, gate.shutil.copyfile = gate.shutil.copyfile, copy_half_then_fail
+        try:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                status = gate.main([p, target, "--no-compare", "--promote", target])
+        finally:
+            gate.shutil.copyfile = real
+        expect(status, out.getvalue(), 3, "No space left on device")
+        with open(target) as f:
+            assert f.read() == before, "the baseline was left half-written"
+        assert sorted(os.listdir(d)) == ["baseline.json", "r.json"], os.listdir(d)
 
 
 @case
