@@ -138,6 +138,9 @@ TEST(Pipeline, a_stage_that_throws_ends_the_step_with_its_error) {
     const auto message = error_of([&] { p->train_step(batch); });
     EXPECT_THAT(message, HasSubstr("failure injected in a stage")) << schedule;
     EXPECT_THAT(message, HasSubstr("rank 1")) << schedule;
+    // The micro-batch it ran on: an error of a block needing more samples reads against the split.
+    EXPECT_THAT(message, HasSubstr("(micro-batch 1: 2 of the batch's 6 samples, split into 3 micro-batches)"))
+        << schedule;
     // The strategy stays usable once the block behaves.
     failing->fail_after = -1;
     EXPECT_NO_THROW(p->train_step(batch)) << schedule;

@@ -1,7 +1,11 @@
 #include "strategies/checkpoint.h"
 
 #include <algorithm>
+#include <mutex>
+#include <optional>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -156,6 +160,81 @@ BuffersAsBefore::~BuffersAsBefore() {
 
 namespace {
 
+// Generators exist for the CPU and CUDA devices; a forward elsewhere replays the CPU's only.
+std::optional<at::Generator> generator_of(const torch::Device& device) {
+  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
+  if (device.is_cuda()) return at::globalContext().defaultGenerator(device);
+  return std::nullopt;
+}
+
+torch::Tensor state_of(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_state_of(at::Generator gen, const torch::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+RandomStates random_states(const torch::Device& device) {
+  RandomStates out;
+  out.on = device;
+  out.cpu = state_of(*generator_of(torch::kCPU));
+  if (!device.is_cpu())
+    if (auto gen = generator_of(device)) out.device = state_of(*gen);
+  return out;
+}
+
+RandomStates drawn_since(RandomStates before) {
+  const auto now = random_states(before.on);
+  if (before.cpu.defined() && torch::equal(before.cpu, now.cpu)) before.cpu = torch::Tensor();
+  if (before.device.defined() && torch::equal(before.device, now.device)) before.device = torch::Tensor();
+  return before;
+}
+
+RandomAsBefore::RandomAsBefore(const RandomStates& before) {
+  now_.on = before.on;
+  if (before.cpu.defined()) {
+    const auto gen = *generator_of(torch::kCPU);
+    now_.cpu = state_of(gen);
+    set_state_of(gen, before.cpu);
+  }
+  if (before.device.defined()) {
+    const auto gen = *generator_of(before.on);
+    now_.device = state_of(gen);
+    set_state_of(gen, before.device);
+  }
+}
+
+RandomAsBefore::~RandomAsBefore() {
+  if (now_.cpu.defined()) set_state_of(*generator_of(torch::kCPU), now_.cpu);
+  if (now_.device.defined()) set_state_of(*generator_of(now_.on), now_.device);
+}
+
+void save_random_states(torch::autograd::AutogradContext* ctx, const RandomStates& states) {
+  if (states.cpu.defined()) ctx->saved_data["random_cpu"] = states.cpu;
+  if (states.device.defined()) {
+    ctx->saved_data["random_device"] = states.device;
+    ctx->saved_data["random_device_name"] = states.on.str();
+  }
+}
+
+RandomStates saved_random_states(torch::autograd::AutogradContext* ctx) {
+  RandomStates out;
+  const auto& saved = ctx->saved_data;
+  if (auto it = saved.find("random_cpu"); it != saved.end()) out.cpu = it->second.toTensor();
+  if (auto it = saved.find("random_device"); it != saved.end()) {
+    out.device = it->second.toTensor();
+    out.on = torch::Device(saved.at("random_device_name").toStringRef());
+  }
+  return out;
+}
+
+namespace {
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -169,7 +248,10 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
     for (auto& b : snapshot_buffers(*block)) saved.push_back(std::move(b));
     ctx->save_for_backward(saved);
     torch::NoGradGuard no_grad;
-    return block->forward(x);
+    auto random = random_states(x.device());
+    auto y = block->forward(x);
+    save_random_states(ctx, drawn_since(std::move(random)));
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
@@ -177,7 +259,12 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
     auto saved = ctx->get_saved_variables();
     // Through the gradients too: the recomputed graph saw these values.
     BuffersAsBefore as_before(*block, variable_list(saved.begin() + 1, saved.end()));
-    auto grads = block_gradients(recompute_graph(*block, saved[0]), grad_out);
+    KeptGraph graph;
+    {
+      RandomAsBefore draws_as_before(saved_random_states(ctx));  // the forward's draws again
+      graph = recompute_graph(*block, saved[0]);
+    }
+    auto grads = block_gradients(std::move(graph), grad_out);
     variable_list result{torch::Tensor(), grads.input};  // block pointer, input
     result.insert(result.end(), grads.params.begin(), grads.params.end());
     return result;

@@ -5,6 +5,7 @@
 // bookkeeping that makes a recomputed forward leave buffers as the one forward did.
 #include <functional>
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/edge.h>
 
 #include "models/model.h"
@@ -74,5 +75,41 @@ class BuffersAsBefore {
  private:
   std::vector<torch::Tensor> live_, after_;
 };
+
+/// The random generators a block's forward on `device` may draw from (the CPU's, and the device's own
+/// where that is not the CPU), as they were before that forward, kept only for those it drew from:
+/// a recompute replays the forward's draws (dropout's masks) from them, as PyTorch's checkpoint
+/// does with its preserve_rng_state, so the gradients are those of the loss the forward returned.
+struct RandomStates {
+  torch::Tensor cpu;     ///< the CPU generator's state; undefined where the forward drew nothing from it
+  torch::Tensor device;  ///< the device generator's; undefined likewise, or for a forward on the CPU
+  torch::Device on{torch::kCPU};
+};
+
+/// The generators' states now, for a forward about to run on `device` (pass to drawn_since after it).
+RandomStates random_states(const torch::Device& device);
+/// `before` with each generator the forward left as it was dropped: nothing to replay for it, and
+/// a recompute then leaves that generator alone.
+RandomStates drawn_since(RandomStates before);
+
+/// For a recompute: while alive, the generators a forward drew from are back where they were before
+/// it (from drawn_since), so the recompute draws the same numbers; on exit they get back the states
+/// they hold now, so later draws (the next step's forward) go on as if nothing had been recomputed.
+/// Ranks that share one process share its generators: their draws interleave in whatever order the
+/// threads run, with or without this.
+class RandomAsBefore {
+ public:
+  explicit RandomAsBefore(const RandomStates& before);
+  ~RandomAsBefore();
+  RandomAsBefore(const RandomAsBefore&) = delete;  // restores once
+  RandomAsBefore& operator=(const RandomAsBefore&) = delete;
+
+ private:
+  RandomStates now_;
+};
+
+/// ctx->saved_data entries for RandomStates, and back.
+void save_random_states(torch::autograd::AutogradContext* ctx, const RandomStates& states);
+RandomStates saved_random_states(torch::autograd::AutogradContext* ctx);
 
 }  // namespace strata

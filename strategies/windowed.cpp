@@ -60,7 +60,9 @@ struct WindowedBlock : torch::autograd::Function<WindowedBlock> {
       variable_list saved{x};
       for (auto& b : snapshot_buffers(module)) saved.push_back(std::move(b));
       ctx->save_for_backward(saved);
+      auto random = random_states(x.device());
       out = module.forward(x);
+      save_random_states(ctx, drawn_since(std::move(random)));
     } else {
       // The kept graph's saved views of the parameters share the units' storage, so they see the
       // data again once backward brings the window back.
@@ -80,6 +82,7 @@ struct WindowedBlock : torch::autograd::Function<WindowedBlock> {
     if (runner->recompute_block(block)) {
       auto saved = ctx->get_saved_variables();
       as_before.emplace(module, variable_list(saved.begin() + 1, saved.end()));
+      RandomAsBefore draws_as_before(saved_random_states(ctx));  // the forward's draws again
       graph = recompute_graph(module, saved[0]);
     } else {
       graph = std::move(runner->kept_graphs()[block]);

@@ -3,10 +3,12 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <map>
 #include <sstream>
 
 #include "models/check.h"
 #include "models/text.h"
+#include "strategies/checkpoint.h"
 #include "strategies/distributed/process_group.h"
 
 namespace strata::correctness {
@@ -157,6 +159,48 @@ Scales gradient_scales(const models::BlockModel& structure, const NamedTensors& 
   return out;
 }
 
+bool all_zero(const torch::Tensor& t) { return t.numel() == 0 || !t.ne(0).any().item<bool>(); }
+
+// Which parameters a step moved at all, against the reference's: a difference of kind rather than
+// of size, which a bound cannot see where it must allow for a gradient near zero (an AdamW update
+// is about lr whatever the gradient's size). Two rules, each holding for any strategy that is right:
+// - AdamW moves every parameter that has a gradient (weight decay alone does, where it is not all
+//   zero), by about lr: one the reference moved must have moved (an update skipped);
+// - a parameter the reference left exactly as it was, whose gradient is exactly zero in both, must
+//   stay as it was: the reference had no gradient for it in this step (an unused one, or one whose
+//   branch this batch did not take) and skipped it, as autograd and PyTorch's optimizers do, where
+//   stepping it with a zero gradient moves it by weight decay and momentum.
+std::string moved_as_reference(bool adamw, const NamedTensors& ref_before, const NamedTensors& ref_after,
+                               const NamedTensors& before, const NamedTensors& after, const NamedTensors& ref_grads,
+                               const NamedTensors& grads) {
+  std::map<std::string, torch::Tensor> ref_grad, grad;
+  for (const auto& [name, t] : ref_grads) ref_grad[name] = t;
+  for (const auto& [name, t] : grads) grad[name] = t;
+  for (size_t i = 0; i < ref_after.size() && i < after.size() && i < ref_before.size() && i < before.size(); ++i) {
+    const auto& name = ref_after[i].first;
+    auto moved = [](const torch::Tensor& from, const torch::Tensor& to) {
+      return !torch::equal(from.to(torch::kCPU, torch::kDouble), to.to(torch::kCPU, torch::kDouble));
+    };
+    const bool ref_moved = moved(ref_before[i].second, ref_after[i].second);
+    const bool strategy_moved = moved(before[i].second, after[i].second);
+    if (adamw && ref_moved && !strategy_moved)
+      return "parameter '" + name + "': the baseline's step moved it and the strategy's left it exactly as it was "
+             "(an update skipped)";
+    const auto rg = ref_grad.find(name), g = grad.find(name);
+    if (!ref_moved && strategy_moved && rg != ref_grad.end() && g != grad.end() && all_zero(rg->second) &&
+        all_zero(g->second)) {
+      std::ostringstream out;
+      out << "parameter '" << name << "': no gradient in this step (zero in the baseline and the strategy), and the "
+          << "baseline's step left it as it was, as autograd's optimizers skip a parameter without a gradient; the "
+          << "strategy's moved it by up to " << max_abs(after[i].second.to(torch::kCPU, torch::kDouble) -
+                                                         before[i].second.to(torch::kCPU, torch::kDouble))
+          << " (stepped with a zero gradient: weight decay, momentum)";
+      return out.str();
+    }
+  }
+  return {};
+}
+
 template <typename F>
 std::vector<NamedTensors> of_each(std::vector<std::unique_ptr<Strategy>>& runs, F&& f) {
   std::vector<NamedTensors> out;
@@ -207,6 +251,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     config.options = c.options;
     const double u = unit_roundoff(c.precision.compute);
 
+    // The strategy first: a combination it refuses is named by its own Error, not by a baseline's.
+    auto strategy = make(config);
+    strategy->attach(c.build());
     auto reference = Registry::create("baseline", fp64_config);
     reference->attach(in_float64(c.build()));
     std::vector<std::unique_ptr<Strategy>> baselines;
@@ -216,8 +263,6 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       baselines.push_back(Registry::create("baseline", base_config));
       baselines.back()->attach(std::move(model));
     }
-    auto strategy = make(config);
-    strategy->attach(c.build());
 
     const std::string opt = kind == OptimizerKind::sgd ? "sgd" : "adamw";
     auto fail = [&](int step, const std::string& msg) {
@@ -253,13 +298,23 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     auto by_block = [&](const NamedTensors& r) { return gradient_scales(structure, r); };
 
     if (auto msg = settle(compare("initial parameter", parameters, own_scales)); !msg.empty()) return fail(0, msg);
+    // Each step's parameters before it, for which the step moved (a strategy may update during backward).
+    auto ref_before = reference->parameters(), before = strategy->parameters();
     for (int step = 0; step < c.steps; ++step) {
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
       const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;
       for (int micro = 0; micro < micro_batches; ++micro) {
         const auto batch = c.batch(step, micro);
+        const auto generators = random_states(device);
         const double expected = reference->train_step(in_float64(batch));
+        if (const auto drawn = drawn_since(generators); drawn.cpu.defined() || drawn.device.defined())
+          STRATA_FAIL("check_parity: the model draws random numbers in its training step (the "
+                      << (drawn.cpu.defined() ? std::string("CPU") : device.str())
+                      << " generator moved during the reference's step; dropout?). Each run compared draws "
+                         "other numbers, so their losses and gradients differ by more than rounding whether the "
+                         "strategy is right or wrong: check the model with those draws off (e.g. dropout "
+                         "probability 0); a strategy that recomputes blocks replays their draws in training");
         std::vector<NamedTensors> base_losses;
         for (auto& b : baselines) base_losses.push_back(as_named("loss", b->train_step(batch)));
         const double actual = strategy->train_step(batch);
@@ -273,6 +328,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       if (auto msg = settle(compare("gradient", gradients, by_block, {}, &gradient_bounds)); !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);
       if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
+      const auto ref_grads = reference->gradients(), grads = strategy->gradients();  // the step zeroes them
       reference->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
       strategy->optimizer_step();
@@ -283,7 +339,14 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         const double moved = config.optimizer.lr * gain * gradient_bounds[i];
         carried[i] += kind == OptimizerKind::adamw ? std::min(moved, config.optimizer.lr) : moved;
       }
+      auto ref_after = reference->parameters(), after = strategy->parameters();
+      if (auto msg = settle(moved_as_reference(kind == OptimizerKind::adamw, ref_before, ref_after, before, after,
+                                               ref_grads, grads));
+          !msg.empty())
+        return fail(step, msg);
       if (auto msg = settle(compare("parameter", parameters, own_scales, carried)); !msg.empty()) return fail(step, msg);
+      ref_before = std::move(ref_after);
+      before = std::move(after);
     }
   }
   return {};

@@ -722,7 +722,17 @@ void Pipeline::run_rank(Run& run, int rank) {
     } catch (const std::exception& e) {
       std::ostringstream what;
       what << "rank " << rank << " (" << dev << "), action " << k << " '"
-           << pipeline::token(actions[k], schedule_.virtual_stages > 1) << "': " << e.what();
+           << pipeline::token(actions[k], schedule_.virtual_stages > 1) << "'";
+      // The micro-batch's size: a block that needs several samples (BatchNorm's statistics) fails
+      // on the split, not on the batch the caller gave.
+      const auto micro = static_cast<size_t>(actions[k].micro);
+      if (micro < run.inputs.size() && run.inputs[micro].dim() > 0) {
+        int64_t samples = 0;
+        for (const auto& in : run.inputs) samples += in.dim() > 0 ? in.size(0) : 0;
+        what << " (micro-batch " << micro << ": " << run.inputs[micro].size(0) << " of the batch's " << samples
+             << " samples, split into " << run.inputs.size() << " micro-batches)";
+      }
+      what << ": " << e.what();
       run.fail(what.str());
       if (c10d_) fail_remaining(run, k);
       return;
