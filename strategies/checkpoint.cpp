@@ -1,6 +1,7 @@
 #include "strategies/checkpoint.h"
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <optional>
 
@@ -188,10 +189,20 @@ RandomStates random_states(const torch::Device& device) {
   return out;
 }
 
+namespace {
+
+// Two generator states (contiguous host byte tensors) equal, compared without dispatching an
+// operator: this runs for every recomputed block's forward.
+bool same_state(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+}  // namespace
+
 RandomStates drawn_since(RandomStates before) {
   const auto now = random_states(before.on);
-  if (before.cpu.defined() && torch::equal(before.cpu, now.cpu)) before.cpu = torch::Tensor();
-  if (before.device.defined() && torch::equal(before.device, now.device)) before.device = torch::Tensor();
+  if (before.cpu.defined() && same_state(before.cpu, now.cpu)) before.cpu = torch::Tensor();
+  if (before.device.defined() && same_state(before.device, now.device)) before.device = torch::Tensor();
   return before;
 }
 

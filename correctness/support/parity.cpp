@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -161,39 +162,53 @@ Scales gradient_scales(const models::BlockModel& structure, const NamedTensors& 
 
 bool all_zero(const torch::Tensor& t) { return t.numel() == 0 || !t.ne(0).any().item<bool>(); }
 
-// Which parameters a step moved at all, against the reference's: a difference of kind rather than
-// of size, which a bound cannot see where it must allow for a gradient near zero (an AdamW update
-// is about lr whatever the gradient's size). Two rules, each holding for any strategy that is right:
-// - AdamW moves every parameter that has a gradient (weight decay alone does, where it is not all
-//   zero), by about lr: one the reference moved must have moved (an update skipped);
-// - a parameter the reference left exactly as it was, whose gradient is exactly zero in both, must
-//   stay as it was: the reference had no gradient for it in this step (an unused one, or one whose
-//   branch this batch did not take) and skipped it, as autograd and PyTorch's optimizers do, where
-//   stepping it with a zero gradient moves it by weight decay and momentum.
-std::string moved_as_reference(bool adamw, const NamedTensors& ref_before, const NamedTensors& ref_after,
-                               const NamedTensors& before, const NamedTensors& after, const NamedTensors& ref_grads,
-                               const NamedTensors& grads) {
+// Which parameters a step moved at all: a difference of kind rather than of size, which a bound
+// cannot see where it must allow for a gradient near zero (an AdamW update is about lr whatever the
+// gradient's size). Two rules, each holding for any strategy that is right:
+// - AdamW's decoupled weight decay moves every element that is not zero (by lr x decay of itself,
+//   which fp32 resolves), whatever its gradient; a gradient near zero may round to zero in one run
+//   and not in another, so a parameter that is all zeros (a bias as initialised) is left out. So a
+//   parameter with a non-zero element that the reference and every baseline moved must have moved
+//   (else its update was skipped). The baselines too, as they train under the policy and skip a
+//   step with it (fp16's overflow);
+// - a parameter the reference left exactly as it was, whose gradient is exactly zero in it and in
+//   the strategy, must stay as it was: the reference had no gradient for it in this step (an unused
+//   one, or one whose branch this batch did not take) and skipped it, as autograd and PyTorch's
+//   optimizers do, where stepping it with a zero gradient moves it by weight decay and momentum.
+struct StepEnds {
+  NamedTensors before, after;
+};
+std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, const std::vector<StepEnds>& baselines,
+                               const StepEnds& strategy, const NamedTensors& ref_grads, const NamedTensors& grads) {
   std::map<std::string, torch::Tensor> ref_grad, grad;
   for (const auto& [name, t] : ref_grads) ref_grad[name] = t;
   for (const auto& [name, t] : grads) grad[name] = t;
-  for (size_t i = 0; i < ref_after.size() && i < after.size() && i < ref_before.size() && i < before.size(); ++i) {
-    const auto& name = ref_after[i].first;
-    auto moved = [](const torch::Tensor& from, const torch::Tensor& to) {
-      return !torch::equal(from.to(torch::kCPU, torch::kDouble), to.to(torch::kCPU, torch::kDouble));
-    };
-    const bool ref_moved = moved(ref_before[i].second, ref_after[i].second);
-    const bool strategy_moved = moved(before[i].second, after[i].second);
-    if (adamw && ref_moved && !strategy_moved)
-      return "parameter '" + name + "': the baseline's step moved it and the strategy's left it exactly as it was "
-             "(an update skipped)";
+  auto moved = [](const StepEnds& run, size_t i) {
+    return !torch::equal(run.before[i].second.to(torch::kCPU, torch::kDouble),
+                         run.after[i].second.to(torch::kCPU, torch::kDouble));
+  };
+  auto counts_match = [&](const StepEnds& run) {
+    return run.before.size() == reference.after.size() && run.after.size() == reference.after.size();
+  };
+  if (!counts_match(reference) || !counts_match(strategy)) return {};  // the bounds' comparison names it
+  for (const auto& b : baselines)
+    if (!counts_match(b)) return {};
+  for (size_t i = 0; i < reference.after.size(); ++i) {
+    const auto& name = reference.after[i].first;
+    const bool ref_moved = moved(reference, i), strategy_moved = moved(strategy, i);
+    if (adamw_decays && ref_moved && !strategy_moved && !all_zero(strategy.before[i].second) &&
+        std::all_of(baselines.begin(), baselines.end(), [&](const StepEnds& b) { return moved(b, i); }))
+      return "parameter '" + name + "': the baselines' AdamW step moved it (its weight decay alone would) and the "
+             "strategy's left it exactly as it was (an update skipped)";
     const auto rg = ref_grad.find(name), g = grad.find(name);
     if (!ref_moved && strategy_moved && rg != ref_grad.end() && g != grad.end() && all_zero(rg->second) &&
         all_zero(g->second)) {
       std::ostringstream out;
       out << "parameter '" << name << "': no gradient in this step (zero in the baseline and the strategy), and the "
           << "baseline's step left it as it was, as autograd's optimizers skip a parameter without a gradient; the "
-          << "strategy's moved it by up to " << max_abs(after[i].second.to(torch::kCPU, torch::kDouble) -
-                                                         before[i].second.to(torch::kCPU, torch::kDouble))
+          << "strategy's moved it by up to "
+          << max_abs(strategy.after[i].second.to(torch::kCPU, torch::kDouble) -
+                     strategy.before[i].second.to(torch::kCPU, torch::kDouble))
           << " (stepped with a zero gradient: weight decay, momentum)";
       return out.str();
     }
@@ -299,7 +314,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
 
     if (auto msg = settle(compare("initial parameter", parameters, own_scales)); !msg.empty()) return fail(0, msg);
     // Each step's parameters before it, for which the step moved (a strategy may update during backward).
-    auto ref_before = reference->parameters(), before = strategy->parameters();
+    StepEnds ref_ends{reference->parameters(), {}}, ends{strategy->parameters(), {}};
+    std::vector<StepEnds> base_ends;
+    for (auto& b : baselines) base_ends.push_back({b->parameters(), {}});
     for (int step = 0; step < c.steps; ++step) {
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
@@ -339,14 +356,16 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         const double moved = config.optimizer.lr * gain * gradient_bounds[i];
         carried[i] += kind == OptimizerKind::adamw ? std::min(moved, config.optimizer.lr) : moved;
       }
-      auto ref_after = reference->parameters(), after = strategy->parameters();
-      if (auto msg = settle(moved_as_reference(kind == OptimizerKind::adamw, ref_before, ref_after, before, after,
-                                               ref_grads, grads));
+      ref_ends.after = reference->parameters();
+      ends.after = strategy->parameters();
+      for (size_t k = 0; k < baselines.size(); ++k) base_ends[k].after = baselines[k]->parameters();
+      const bool decays = kind == OptimizerKind::adamw && config.optimizer.weight_decay > 0;
+      if (auto msg = settle(moved_as_reference(decays, ref_ends, base_ends, ends, ref_grads, grads));
           !msg.empty())
         return fail(step, msg);
       if (auto msg = settle(compare("parameter", parameters, own_scales, carried)); !msg.empty()) return fail(step, msg);
-      ref_before = std::move(ref_after);
-      before = std::move(after);
+      for (auto* run : {&ref_ends, &ends}) run->before = std::move(run->after);
+      for (auto& run : base_ends) run.before = std::move(run.after);
     }
   }
   return {};
