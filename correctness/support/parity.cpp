@@ -171,18 +171,25 @@ bool all_zero(const torch::Tensor& t) { return t.numel() == 0 || !t.ne(0).any().
 //   parameter with a non-zero element that the reference and every baseline moved must have moved
 //   (else its update was skipped). The baselines too, as they train under the policy and skip a
 //   step with it (fp16's overflow);
-// - a parameter the reference left exactly as it was, whose gradient is exactly zero in it and in
-//   the strategy, must stay as it was: the reference had no gradient for it in this step (an unused
-//   one, or one whose branch this batch did not take) and skipped it, as autograd and PyTorch's
-//   optimizers do, where stepping it with a zero gradient moves it by weight decay and momentum.
+// - a parameter the reference left exactly as it was, whose gradient has been exactly zero in it
+//   and in the strategy at every step so far, must stay as it was: the reference had no gradient
+//   for it (an unused one) and skipped it, as autograd and PyTorch's optimizers do, where stepping
+//   it with a zero gradient moves it by weight decay. Every step so far, as a gradient of rounding
+//   noise in an earlier step (a bias before a BatchNorm) leaves momentum that moves it later, where
+//   the reference's gradient was exactly zero throughout.
 struct StepEnds {
   NamedTensors before, after;
 };
 std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, const std::vector<StepEnds>& baselines,
-                               const StepEnds& strategy, const NamedTensors& ref_grads, const NamedTensors& grads) {
-  std::map<std::string, torch::Tensor> ref_grad, grad;
-  for (const auto& [name, t] : ref_grads) ref_grad[name] = t;
+                               const StepEnds& strategy, const NamedTensors& ref_grads, const NamedTensors& grads,
+                               std::map<std::string, bool>& zero_so_far) {
+  std::map<std::string, torch::Tensor> grad;
   for (const auto& [name, t] : grads) grad[name] = t;
+  for (const auto& [name, t] : ref_grads) {  // a gradient present in both, zero in both, at every step
+    const auto g = grad.find(name);
+    const bool zero = g != grad.end() && all_zero(t) && all_zero(g->second);
+    zero_so_far.emplace(name, true).first->second &= zero;
+  }
   auto moved = [](const StepEnds& run, size_t i) {
     return !torch::equal(run.before[i].second.to(torch::kCPU, torch::kDouble),
                          run.after[i].second.to(torch::kCPU, torch::kDouble));
@@ -200,12 +207,12 @@ std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, con
         std::all_of(baselines.begin(), baselines.end(), [&](const StepEnds& b) { return moved(b, i); }))
       return "parameter '" + name + "': the baselines' AdamW step moved it (its weight decay alone would) and the "
              "strategy's left it exactly as it was (an update skipped)";
-    const auto rg = ref_grad.find(name), g = grad.find(name);
-    if (!ref_moved && strategy_moved && rg != ref_grad.end() && g != grad.end() && all_zero(rg->second) &&
-        all_zero(g->second)) {
+    const auto zero = zero_so_far.find(name);
+    if (!ref_moved && strategy_moved && zero != zero_so_far.end() && zero->second) {
       std::ostringstream out;
-      out << "parameter '" << name << "': no gradient in this step (zero in the baseline and the strategy), and the "
-          << "baseline's step left it as it was, as autograd's optimizers skip a parameter without a gradient; the "
+      out << "parameter '" << name << "': no gradient in this step (zero in the baseline and the strategy at every "
+          << "step so far), and the baseline's step left it as it was, as autograd's optimizers skip a parameter "
+          << "without a gradient; the "
           << "strategy's moved it by up to "
           << max_abs(strategy.after[i].second.to(torch::kCPU, torch::kDouble) -
                      strategy.before[i].second.to(torch::kCPU, torch::kDouble))
@@ -316,6 +323,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     // Each step's parameters before it, for which the step moved (a strategy may update during backward).
     StepEnds ref_ends{reference->parameters(), {}}, ends{strategy->parameters(), {}};
     std::vector<StepEnds> base_ends;
+    std::map<std::string, bool> zero_so_far;  // by parameter: its gradient exactly zero at every step so far
     for (auto& b : baselines) base_ends.push_back({b->parameters(), {}});
     for (int step = 0; step < c.steps; ++step) {
       // The second step accumulates the gradients of two batches before its optimizer step, as the
@@ -360,7 +368,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       ends.after = strategy->parameters();
       for (size_t k = 0; k < baselines.size(); ++k) base_ends[k].after = baselines[k]->parameters();
       const bool decays = kind == OptimizerKind::adamw && config.optimizer.weight_decay > 0;
-      if (auto msg = settle(moved_as_reference(decays, ref_ends, base_ends, ends, ref_grads, grads));
+      if (auto msg = settle(moved_as_reference(decays, ref_ends, base_ends, ends, ref_grads, grads, zero_so_far));
           !msg.empty())
         return fail(step, msg);
       if (auto msg = settle(compare("parameter", parameters, own_scales, carried)); !msg.empty()) return fail(step, msg);
