@@ -495,7 +495,7 @@ TEST(ParityChecker, catches_a_skipped_adamw_update) {
 
 TEST(ParityChecker, catches_an_adamw_update_skipped_at_the_last_step) {
   expect_caught<SkipsTheLastAdamwUpdate>({preset_case("mlp-tiny"), own_model(kOwnModels[0])},
-                                         "adamw step 2: parameter '0.");
+                                         "(an update skipped)");
 }
 
 TEST(ParityChecker, catches_a_parameter_without_a_gradient_that_moves) {

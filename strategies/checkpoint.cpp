@@ -214,15 +214,24 @@ RandomAsBefore::RandomAsBefore(const RandomStates& before) {
     set_state_of(gen, before.cpu);
   }
   if (before.device.defined()) {
-    const auto gen = *generator_of(before.on);
-    now_.device = state_of(gen);
-    set_state_of(gen, before.device);
+    try {
+      const auto gen = *generator_of(before.on);
+      now_.device = state_of(gen);
+      set_state_of(gen, before.device);
+    } catch (...) {  // no destructor runs for a constructor that throws: put the CPU's back here
+      if (now_.cpu.defined()) set_state_of(*generator_of(torch::kCPU), now_.cpu);
+      throw;
+    }
   }
 }
 
 RandomAsBefore::~RandomAsBefore() {
-  if (now_.cpu.defined()) set_state_of(*generator_of(torch::kCPU), now_.cpu);
-  if (now_.device.defined()) set_state_of(*generator_of(now_.on), now_.device);
+  // Setting a state read from the same generator does not fail; a destructor must not throw.
+  try {
+    if (now_.cpu.defined()) set_state_of(*generator_of(torch::kCPU), now_.cpu);
+    if (now_.device.defined()) set_state_of(*generator_of(now_.on), now_.device);
+  } catch (...) {
+  }
 }
 
 void save_random_states(torch::autograd::AutogradContext* ctx, const RandomStates& states) {

@@ -109,7 +109,8 @@ using StrategyMaker = std::function<std::unique_ptr<Strategy>(const StrategyConf
 
 /// Runs `steps` steps of each optimizer on the references and on `make(config)`; stops at the
 /// first mismatch. `device` is the main device of all of them. TF32 is off during the check (the
-/// bound is fp32's) and restored after it.
+/// bound is fp32's) and restored after it. A model whose training step draws random numbers
+/// (dropout) is an Error: the runs compared would draw other numbers.
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device);
 /// Same, for a registered strategy.
 ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device);
