@@ -236,20 +236,15 @@ RandomAsBefore::~RandomAsBefore() {
 
 void save_random_states(torch::autograd::AutogradContext* ctx, const RandomStates& states) {
   if (states.cpu.defined()) ctx->saved_data["random_cpu"] = states.cpu;
-  if (states.device.defined()) {
-    ctx->saved_data["random_device"] = states.device;
-    ctx->saved_data["random_device_name"] = states.on.str();
-  }
+  if (states.device.defined()) ctx->saved_data["random_device"] = states.device;
 }
 
-RandomStates saved_random_states(torch::autograd::AutogradContext* ctx) {
+RandomStates saved_random_states(torch::autograd::AutogradContext* ctx, const torch::Device& device) {
   RandomStates out;
+  out.on = device;
   const auto& saved = ctx->saved_data;
   if (auto it = saved.find("random_cpu"); it != saved.end()) out.cpu = it->second.toTensor();
-  if (auto it = saved.find("random_device"); it != saved.end()) {
-    out.device = it->second.toTensor();
-    out.on = torch::Device(saved.at("random_device_name").toStringRef());
-  }
+  if (auto it = saved.find("random_device"); it != saved.end()) out.device = it->second.toTensor();
   return out;
 }
 
@@ -281,7 +276,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
     BuffersAsBefore as_before(*block, variable_list(saved.begin() + 1, saved.end()));
     KeptGraph graph;
     {
-      RandomAsBefore draws_as_before(saved_random_states(ctx));  // the forward's draws again
+      RandomAsBefore draws_as_before(saved_random_states(ctx, saved[0].device()));  // the forward's draws again
       graph = recompute_graph(*block, saved[0]);
     }
     auto grads = block_gradients(std::move(graph), grad_out);

@@ -108,8 +108,8 @@ class RandomAsBefore {
   RandomStates now_;
 };
 
-/// ctx->saved_data entries for RandomStates, and back.
+/// ctx->saved_data entries for RandomStates, and back for the forward's `device` (its input's).
 void save_random_states(torch::autograd::AutogradContext* ctx, const RandomStates& states);
-RandomStates saved_random_states(torch::autograd::AutogradContext* ctx);
+RandomStates saved_random_states(torch::autograd::AutogradContext* ctx, const torch::Device& device);
 
 }  // namespace strata

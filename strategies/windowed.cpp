@@ -82,7 +82,7 @@ struct WindowedBlock : torch::autograd::Function<WindowedBlock> {
     if (runner->recompute_block(block)) {
       auto saved = ctx->get_saved_variables();
       as_before.emplace(module, variable_list(saved.begin() + 1, saved.end()));
-      RandomAsBefore draws_as_before(saved_random_states(ctx));  // the forward's draws again
+      RandomAsBefore draws_as_before(saved_random_states(ctx, saved[0].device()));  // the forward's draws again
       graph = recompute_graph(module, saved[0]);
     } else {
       graph = std::move(runner->kept_graphs()[block]);

@@ -180,8 +180,9 @@ bool all_zero(const torch::Tensor& t) { return t.numel() == 0 || !t.ne(0).any().
 struct StepEnds {
   NamedTensors before, after;
 };
-std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, const std::vector<StepEnds>& baselines,
-                               const StepEnds& strategy, const NamedTensors& ref_grads, const NamedTensors& grads,
+std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, const std::vector<NamedTensors>& base_before,
+                               const std::vector<NamedTensors>& base_after, const StepEnds& strategy,
+                               const NamedTensors& ref_grads, const NamedTensors& grads,
                                std::map<std::string, bool>& zero_so_far) {
   std::map<std::string, torch::Tensor> grad;
   for (const auto& [name, t] : grads) grad[name] = t;
@@ -190,22 +191,26 @@ std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, con
     const bool zero = g != grad.end() && all_zero(t) && all_zero(g->second);
     zero_so_far.emplace(name, true).first->second &= zero;
   }
-  auto moved = [](const StepEnds& run, size_t i) {
-    return !torch::equal(run.before[i].second.to(torch::kCPU, torch::kDouble),
-                         run.after[i].second.to(torch::kCPU, torch::kDouble));
+  const size_t n = reference.after.size();
+  auto sized = [&](const NamedTensors& list) { return list.size() == n; };
+  if (!sized(reference.before) || !sized(strategy.before) || !sized(strategy.after) ||
+      !std::all_of(base_before.begin(), base_before.end(), sized) || !std::all_of(base_after.begin(), base_after.end(), sized))
+    return {};  // the bounds' comparison names it
+  // Each run's lists are host copies from that run: same dtype and device before and after.
+  auto moved = [](const NamedTensors& before, const NamedTensors& after, size_t i) {
+    return !torch::equal(before[i].second, after[i].second);
   };
-  auto counts_match = [&](const StepEnds& run) {
-    return run.before.size() == reference.after.size() && run.after.size() == reference.after.size();
-  };
-  if (!counts_match(reference) || !counts_match(strategy)) return {};  // the bounds' comparison names it
-  for (const auto& b : baselines)
-    if (!counts_match(b)) return {};
-  for (size_t i = 0; i < reference.after.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const auto& name = reference.after[i].first;
     if (!torch::isfinite(strategy.after[i].second).all().item<bool>()) continue;  // the bounds' check names it
-    const bool ref_moved = moved(reference, i), strategy_moved = moved(strategy, i);
-    if (adamw_decays && ref_moved && !strategy_moved && !all_zero(strategy.before[i].second) &&
-        std::all_of(baselines.begin(), baselines.end(), [&](const StepEnds& b) { return moved(b, i); }))
+    const bool ref_moved = moved(reference.before, reference.after, i);
+    const bool strategy_moved = moved(strategy.before, strategy.after, i);
+    auto every_baseline_moved = [&] {
+      for (size_t k = 0; k < base_before.size(); ++k)
+        if (!moved(base_before[k], base_after[k], i)) return false;
+      return true;
+    };
+    if (adamw_decays && ref_moved && !strategy_moved && !all_zero(strategy.before[i].second) && every_baseline_moved())
       return "parameter '" + name + "': the baselines' AdamW step moved it (its weight decay alone would) and the "
              "strategy's left it exactly as it was (an update skipped)";
     const auto zero = zero_so_far.find(name);
@@ -294,11 +299,10 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       r.message = opt + " step " + std::to_string(step) + ": " + msg;
       return r;
     };
-    auto compare = [&](const std::string& what, auto get, auto scales_of, const std::vector<double>& carried = {},
-                       std::vector<double>* bounds = nullptr) {
+    auto compare = [&](const std::string& what, auto get, auto scales_of) {
       const auto expected = get(*reference);
-      return compare_to_reference(what, get(*strategy), of_each(baselines, get), expected, scales_of(expected), carried,
-                                  bounds, u);
+      return compare_to_reference(what, get(*strategy), of_each(baselines, get), expected, scales_of(expected), {},
+                                  nullptr, u);
     };
     // What a gradient error within its bound may do to the parameters: an optimizer step moves a
     // parameter by lr x gain x (gradient error) at most (gain: 1 / (1 - momentum) for SGD's
@@ -320,12 +324,15 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     auto buffers = [](Strategy& s) { return s.buffers(); };
     auto by_block = [&](const NamedTensors& r) { return gradient_scales(structure, r); };
 
-    if (auto msg = settle(compare("initial parameter", parameters, own_scales)); !msg.empty()) return fail(0, msg);
-    // Each step's parameters before it, for which the step moved (a strategy may update during backward).
+    // Each step's parameters before it, for which the step moved (a strategy may update during
+    // backward); at first, the initial ones.
     StepEnds ref_ends{reference->parameters(), {}}, ends{strategy->parameters(), {}};
-    std::vector<StepEnds> base_ends;
+    auto base_before = of_each(baselines, parameters), base_after = base_before;
     std::map<std::string, bool> zero_so_far;  // by parameter: its gradient exactly zero at every step so far
-    for (auto& b : baselines) base_ends.push_back({b->parameters(), {}});
+    if (auto msg = settle(compare_to_reference("initial parameter", ends.before, base_before, ref_ends.before,
+                                               own_scales(ref_ends.before), {}, nullptr, u));
+        !msg.empty())
+      return fail(0, msg);
     for (int step = 0; step < c.steps; ++step) {
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
@@ -351,10 +358,13 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
             !msg.empty())
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
       }
-      if (auto msg = settle(compare("gradient", gradients, by_block, {}, &gradient_bounds)); !msg.empty())
+      // Kept for the movement rules below: the optimizer step zeroes them.
+      const auto ref_grads = reference->gradients(), grads = strategy->gradients();
+      if (auto msg = settle(compare_to_reference("gradient", grads, of_each(baselines, gradients), ref_grads,
+                                                 by_block(ref_grads), {}, &gradient_bounds, u));
+          !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);
       if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
-      const auto ref_grads = reference->gradients(), grads = strategy->gradients();  // the step zeroes them
       reference->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
       const auto skipped_before = strategy->stats().skipped_steps;
@@ -370,14 +380,18 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       }
       ref_ends.after = reference->parameters();
       ends.after = strategy->parameters();
-      for (size_t k = 0; k < baselines.size(); ++k) base_ends[k].after = baselines[k]->parameters();
+      base_after = of_each(baselines, parameters);
       const bool decays = kind == OptimizerKind::adamw && config.optimizer.weight_decay > 0 && !strategy_skipped;
-      if (auto msg = settle(moved_as_reference(decays, ref_ends, base_ends, ends, ref_grads, grads, zero_so_far));
+      if (auto msg = settle(moved_as_reference(decays, ref_ends, base_before, base_after, ends, ref_grads, grads,
+                                               zero_so_far));
           !msg.empty())
         return fail(step, msg);
-      if (auto msg = settle(compare("parameter", parameters, own_scales, carried)); !msg.empty()) return fail(step, msg);
+      if (auto msg = settle(compare_to_reference("parameter", ends.after, base_after, ref_ends.after,
+                                                 own_scales(ref_ends.after), carried, nullptr, u));
+          !msg.empty())
+        return fail(step, msg);
       for (auto* run : {&ref_ends, &ends}) run->before = std::move(run->after);
-      for (auto& run : base_ends) run.before = std::move(run.after);
+      base_before = std::move(base_after);
     }
   }
   return {};
