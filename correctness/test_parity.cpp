@@ -7,6 +7,7 @@
 #include <rapidcheck.h>
 
 #include <cmath>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -41,20 +42,7 @@ class Parity : public ::testing::TestWithParam<std::string> {
 // A failing property records its shrunk case where the explorer asks (STRATA_FAILURES_FILE).
 bool check_property(const std::string& strategy, const std::string& description,
                     const std::function<rc::Gen<ParityCase>()>& gen) {
-  const auto device = test::device();
-  std::optional<std::pair<ParityCase, std::string>> last_failure;
-  const bool ok = rc::check(description, [&] {
-    const auto c = *gen();
-    RC_TAG(c.chain ? std::string("chain") : models::to_string(c.model.kind));
-    const auto r = check_parity(strategy, c, device);
-    if (!r.ok) {
-      last_failure = {c, r.message};  // shrinking ends on the smallest failing case
-      RC_FAIL(r.message);
-    }
-  });
-  if (!ok && last_failure && !failures_file().empty())
-    append_regression(failures_file(), strategy, device, last_failure->first, last_failure->second);
-  return ok;
+  return correctness::check_property(strategy, description, test::device(), gen);
 }
 
 TEST_P(Parity, prop_matches_baseline) {
@@ -425,6 +413,44 @@ class OffByOneUlp : public Baseline {
   }
 };
 
+// Splits the batch into one slice per sample, each slice's loss_sum over the batch's target count,
+// and lets autograd sum the slices' gradients in fp32: a pipeline's micro-batches at their finest.
+// Right, so it must pass where the slices cancel; with `doubled`, the first sample counts twice.
+class SlicesEverySample : public Baseline {
+ public:
+  explicit SlicesEverySample(const StrategyConfig& c, bool doubled = false)
+      : Baseline(doubled ? "doubles_one_sample" : "slices_every_sample", c, {}), device_(c.device), doubled_(doubled) {}
+  int64_t batch_slices(int64_t batch_size) const override { return batch_size; }
+  double train_step(const models::Batch& batch) override {
+    const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
+    double total = 0.0;
+    for (int64_t i = 0; i < batch.size(); ++i) {
+      auto x = batch.input.narrow(0, i, 1).to(device_);
+      for (const auto& block : model_->blocks()) x = block->forward(x);
+      auto loss = model_->loss_sum(x, batch.target.narrow(0, i, 1).to(device_)) / counted;
+      total += loss.item<double>();  // the loss returned is right either way: only gradients tell
+      (doubled_ && i == 0 ? loss * 2 : loss).backward();
+    }
+    return total;
+  }
+
+ protected:
+  void attach_model(models::BlockModel model) override {
+    model_.emplace(model);  // the same blocks, which the baseline places
+    Baseline::attach_model(std::move(model));
+  }
+
+ private:
+  torch::Device device_;
+  bool doubled_;
+  std::optional<models::BlockModel> model_;
+};
+
+class DoublesOneSample : public SlicesEverySample {
+ public:
+  explicit DoublesOneSample(const StrategyConfig& c) : SlicesEverySample(c, /*doubled=*/true) {}
+};
+
 template <typename S>
 ParityResult check_with(const ParityCase& c) {
   return check_parity([](const StrategyConfig& cfg) { return std::make_unique<S>(cfg); }, c, test::device());
@@ -475,6 +501,25 @@ TEST(ParityChecker, catches_a_doubled_gradient_under_bf16) {
   const auto r = check_with<DoubleBackward>(c);
   EXPECT_FALSE(r.ok) << c.to_string();
   EXPECT_THAT(r.message, HasSubstr("gradient")) << c.to_string();
+}
+
+// The explorer's case (2026-12-05): a head's bias over two classes, whose gradient cancels over
+// the batch to 0.00055 while each sample's pull is ~0.06. A strategy that sums per-slice gradients
+// rounds at the slices' size (1.5e-8 here, against the whole-batch baselines' 1e-10): the floor
+// must take the slices' size, and still catch one slice counted twice.
+TEST(ParityChecker, a_batch_summed_slice_by_slice_passes_and_one_slice_counted_twice_is_caught) {
+  ParityCase cancelling;
+  cancelling.model = models::ModelConfig::parse("mlp(depth=1 width=5 in_features=9 classes=2 tied=0)");
+  cancelling.batch_size = 8;
+  cancelling.seed = 278;
+  // One sample a slice: no BatchNorm (a slice of one has no batch statistics).
+  for (const auto& c : {cancelling, preset_case("mlp-tiny"), preset_case("gpt-tiny"), own_model(kOwnModels[2])}) {
+    const auto right = check_with<SlicesEverySample>(c);
+    EXPECT_TRUE(right.ok) << c.to_string() << ": " << right.message;
+    const auto wrong = check_with<DoublesOneSample>(c);
+    EXPECT_FALSE(wrong.ok) << c.to_string();
+    EXPECT_THAT(wrong.message, HasSubstr("gradient")) << c.to_string();
+  }
 }
 
 TEST(ParityChecker, catches_a_strategy_that_does_not_accumulate) {

@@ -106,6 +106,12 @@ class Strategy {
   /// Processes (ranks) the strategy's model spans; each is handed the global batch. 1 for
   /// single-process strategies.
   virtual int world_size() const { return 1; }
+  /// Into how many slices train_step() splits a batch of `batch_size` samples, each slice's
+  /// gradients computed apart and the slices' sums added (a pipeline's micro-batches, a
+  /// data-parallel strategy's ranks); 1 for a strategy that runs the batch whole. The parity check
+  /// widens its rounding floor by the slices' own sizes, which their sum rounds at (a gradient that
+  /// cancels over the batch, after slices that do not). After attach(); never throws.
+  virtual int64_t batch_slices(int64_t batch_size) const { return 1; }
   /// Whether the strategy trains under `policy`; Registry::create refuses the others with an
   /// Error naming both. fp32 only unless a strategy says more.
   virtual bool supports(const PrecisionPolicy& policy) const { return policy.is_fp32(); }

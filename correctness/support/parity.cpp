@@ -229,6 +229,39 @@ std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, con
   return {};
 }
 
+// The slices' share of a gradient's rounding. A strategy that splits the batch (pipeline
+// micro-batches, data-parallel ranks) rounds each slice's gradient and their running sum at the
+// slices' magnitudes, which can be far above the whole batch's gradient where the slices cancel (a
+// head's bias over two classes: each sample's pull is ~1/batch, their sum 100 times smaller). The
+// baselines sum the batch in one reduction and cannot sample that, so the floor takes the slices'
+// size: `sizes` gains, for every element, the sum of |slice's gradient| over the slices of `batch`,
+// taken from `sliced`, an fp64 run of the baseline that trains on the slices one by one (each
+// slice's mean weighted by its share of the batch's targets, as loss_sum / count splits it). A
+// slice without a counted target adds nothing and is not run (its mean is undefined).
+void add_slice_sizes(Strategy& sliced, const models::Batch& batch, int64_t slices, NamedTensors& sizes) {
+  const int64_t n = batch.size();
+  const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
+  auto before = sliced.gradients();
+  if (sizes.empty())
+    for (const auto& [name, g] : before) sizes.emplace_back(name, torch::zeros_like(g, torch::kDouble));
+  for (int64_t k = 0; k < slices; ++k) {
+    const int64_t lo = n * k / slices, hi = n * (k + 1) / slices;
+    models::Batch slice{batch.input.narrow(0, lo, hi - lo), batch.target.narrow(0, lo, hi - lo)};
+    const auto share = static_cast<double>(models::BlockModel::count_targets(slice.target)) / counted;
+    if (hi == lo || share == 0) continue;
+    sliced.train_step(in_float64(slice));
+    auto after = sliced.gradients();
+    for (size_t i = 0; i < after.size() && i < sizes.size(); ++i)
+      sizes[i].second.add_((after[i].second.to(torch::kDouble) - before[i].second.to(torch::kDouble)).abs_().mul_(share));
+    before = std::move(after);
+  }
+}
+
+Scales larger_of(Scales a, const Scales& b) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) a[i] = std::max(a[i], b[i]);
+  return a;
+}
+
 template <typename F>
 std::vector<NamedTensors> of_each(std::vector<std::unique_ptr<Strategy>>& runs, F&& f) {
   std::vector<NamedTensors> out;
@@ -292,6 +325,14 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       baselines.back()->attach(std::move(model));
     }
 
+    // A strategy that splits the batch: an fp64 run on its slices, for the floor (add_slice_sizes).
+    const int64_t slices = std::min<int64_t>(strategy->batch_slices(c.batch_size), c.batch_size);
+    std::unique_ptr<Strategy> sliced;
+    if (slices > 1) {
+      sliced = Registry::create("baseline", fp64_config);
+      sliced->attach(in_float64(c.build()));
+    }
+
     const std::string opt = kind == OptimizerKind::sgd ? "sgd" : "adamw";
     auto fail = [&](int step, const std::string& msg) {
       ParityResult r;
@@ -337,6 +378,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
       const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;
+      NamedTensors slice_sizes;
       for (int micro = 0; micro < micro_batches; ++micro) {
         const auto batch = c.batch(step, micro);
         const auto generators = random_states(device);
@@ -357,15 +399,19 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
                                      nullptr, u));
             !msg.empty())
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
+        // After the strategy's step, so that a batch it cannot slice is named by its own Error.
+        if (sliced) add_slice_sizes(*sliced, in_float64(batch), slices, slice_sizes);
       }
       // Kept for the movement rules below: the optimizer step zeroes them.
       const auto ref_grads = reference->gradients(), grads = strategy->gradients();
+      const auto grad_scales = sliced ? larger_of(by_block(ref_grads), by_block(slice_sizes)) : by_block(ref_grads);
       if (auto msg = settle(compare_to_reference("gradient", grads, of_each(baselines, gradients), ref_grads,
-                                                 by_block(ref_grads), {}, &gradient_bounds, u));
+                                                 grad_scales, {}, &gradient_bounds, u));
           !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);
       if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
       reference->optimizer_step();
+      if (sliced) sliced->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
       const auto skipped_before = strategy->stats().skipped_steps;
       strategy->optimizer_step();

@@ -14,7 +14,10 @@
 //   max|S - R|  <=  kReferenceErrorMultiple * max_k max|B_k - R|  +  kRoundingFloorUlps * u * scale
 //                   + kFp32SmallestNormal
 //
-// with u = 2^-24 and `scale` the magnitude of what entered the computation (below). The B_k measure
+// with u = 2^-24 and `scale` the magnitude of what entered the computation (below; for a strategy
+// whose batch_slices() is above 1, a gradient's scale also takes the sum over the slices of each
+// slice's |gradient|, from a float64 run on the slices: the strategy rounds the slices and their
+// sum at that size, which the whole-batch baselines never see where the slices cancel). The B_k measure
 // how large fp32 rounding is for this very quantity, cancellation included: a gradient that is
 // zero in exact arithmetic (a bias before a BatchNorm) is pure rounding noise in every fp32 run, and
 // so is its bound. The moved ulp gives each B_k its own rounding pattern, so one lucky run cannot

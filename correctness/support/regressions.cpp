@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "models/check.h"
@@ -57,6 +58,23 @@ void append_regression(const std::string& path, const std::string& strategy, con
     if (ch == '\n') ch = ' ';
   out << "# " << date << ", found by exploration: " << one_line << "\n"
       << strategy << " " << (device.is_cuda() ? "cuda" : "cpu") << " " << c.to_string() << "\n";
+}
+
+bool check_property(const std::string& strategy, const std::string& description, const torch::Device& device,
+                    const std::function<rc::Gen<ParityCase>()>& gen, bool record) {
+  std::optional<std::pair<ParityCase, std::string>> last_failure;
+  const bool ok = rc::check(description, [&] {
+    const auto c = *gen();
+    RC_TAG(c.chain ? std::string("chain") : models::to_string(c.model.kind));
+    const auto r = check_parity(strategy, c, device);
+    if (!r.ok) {
+      last_failure = {c, r.message};  // shrinking ends on the smallest failing case
+      RC_FAIL(r.message);
+    }
+  });
+  if (!ok && record && last_failure && !failures_file().empty())
+    append_regression(failures_file(), strategy, device, last_failure->first, last_failure->second);
+  return ok;
 }
 
 }  // namespace strata::correctness

@@ -5,8 +5,11 @@
 //   <strategy> <cpu|cuda> <ParityCase::to_string()>
 //
 // Lines starting with '#' are comments (where a case came from, what it showed).
+#include <functional>
 #include <string>
 #include <vector>
+
+#include <rapidcheck.h>
 
 #include "correctness/support/parity.h"
 
@@ -28,5 +31,12 @@ void append_regression(const std::string& path, const std::string& strategy, con
                        const ParityCase& c, const std::string& message);
 /// Where a property records its shrunk failure: $STRATA_FAILURES_FILE, or empty (not recorded).
 std::string failures_file();
+
+/// rc::check of `description`: every case `gen` draws checked with check_parity(strategy, case,
+/// device). Where it fails and `record` holds, the shrunk case and its message are appended to
+/// failures_file() (when set), for CI to replay once committed. `record`: false where a case
+/// cannot be replayed in one process (a property run over several ranks).
+bool check_property(const std::string& strategy, const std::string& description, const torch::Device& device,
+                    const std::function<rc::Gen<ParityCase>()>& gen, bool record = true);
 
 }  // namespace strata::correctness

@@ -257,6 +257,15 @@ int64_t Pipeline::micro_batches_for(int64_t n) const {
   return std::min(2 * p, n / p * p);
 }
 
+int64_t Pipeline::batch_slices(int64_t batch_size) const {
+  if (rank_devices_.empty()) return 1;  // not attached
+  try {
+    return std::max<int64_t>(1, micro_batches_for(batch_size));
+  } catch (const Error&) {
+    return 1;
+  }
+}
+
 void Pipeline::build_schedule(int64_t micro_batches) {
   if (!schedule_.actions.empty() && schedule_.micro_batches == micro_batches) return;
   const int p = static_cast<int>(rank_devices_.size()), m = static_cast<int>(micro_batches);

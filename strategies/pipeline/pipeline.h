@@ -73,6 +73,8 @@ class Pipeline : public Strategy {
   /// Every policy in one process (stages compute on compute copies of their parameters and
   /// replicas, activations travel between them in the compute dtype); fp32 only across processes.
   bool supports(const PrecisionPolicy& policy) const override;
+  /// Its micro-batches (1 where the batch cannot hold them: train_step names that).
+  int64_t batch_slices(int64_t batch_size) const override;
 
   /// The schedule of the last train_step (at attach: the one for micro_batches, or 2 per rank).
   const pipeline::Schedule& schedule() const { return schedule_; }

@@ -71,6 +71,7 @@ class Sharded : public Strategy, public WindowedRunner {
 
   int rank() const;
   int world_size() const override;
+  int64_t batch_slices(int64_t batch_size) const override { return world_size(); }
   /// Gathered parameter bytes on the device now (0 at rest: only shards remain).
   int64_t gathered_bytes() const { return gathered_bytes_; }
   /// This rank's rows [first, second) of a batch of `batch` samples.
