@@ -413,23 +413,27 @@ class OffByOneUlp : public Baseline {
   }
 };
 
-// Splits the batch into one slice per sample, each slice's loss_sum over the batch's target count,
-// and lets autograd sum the slices' gradients in fp32: a pipeline's micro-batches at their finest.
-// Right, so it must pass where the slices cancel; with `doubled`, the first sample counts twice.
-class SlicesEverySample : public Baseline {
+// Splits the batch into `Slices` slices as the pipelines do (sizes n * k / Slices; 0: one per
+// sample), each slice's loss_sum over the batch's target count, and lets autograd sum the slices'
+// gradients in fp32: a pipeline's micro-batches without the pipeline. Right, so it must pass where
+// the slices cancel; with `doubled`, the first slice counts twice.
+template <int64_t Slices>
+class SlicesTheBatch : public Baseline {
  public:
-  explicit SlicesEverySample(const StrategyConfig& c, bool doubled = false)
-      : Baseline(doubled ? "doubles_one_sample" : "slices_every_sample", c, {}), device_(c.device), doubled_(doubled) {}
-  int64_t batch_slices(int64_t batch_size) const override { return batch_size; }
+  explicit SlicesTheBatch(const StrategyConfig& c, bool doubled = false)
+      : Baseline(doubled ? "doubles_one_slice" : "slices_the_batch", c, {}), device_(c.device), doubled_(doubled) {}
+  int64_t batch_slices(int64_t batch_size) const override { return Slices > 0 ? Slices : batch_size; }
   double train_step(const models::Batch& batch) override {
+    const int64_t n = batch.size(), m = batch_slices(n);
     const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
     double total = 0.0;
-    for (int64_t i = 0; i < batch.size(); ++i) {
-      auto x = batch.input.narrow(0, i, 1).to(device_);
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t lo = n * k / m, hi = n * (k + 1) / m;
+      auto x = batch.input.narrow(0, lo, hi - lo).to(device_);
       for (const auto& block : model_->blocks()) x = block->forward(x);
-      auto loss = model_->loss_sum(x, batch.target.narrow(0, i, 1).to(device_)) / counted;
+      auto loss = model_->loss_sum(x, batch.target.narrow(0, lo, hi - lo).to(device_)) / counted;
       total += loss.item<double>();  // the loss returned is right either way: only gradients tell
-      (doubled_ && i == 0 ? loss * 2 : loss).backward();
+      (doubled_ && k == 0 ? loss * 2 : loss).backward();
     }
     return total;
   }
@@ -446,6 +450,8 @@ class SlicesEverySample : public Baseline {
   std::optional<models::BlockModel> model_;
 };
 
+using SlicesEverySample = SlicesTheBatch<0>;
+using SlicesIntoFive = SlicesTheBatch<5>;
 class DoublesOneSample : public SlicesEverySample {
  public:
   explicit DoublesOneSample(const StrategyConfig& c) : SlicesEverySample(c, /*doubled=*/true) {}
@@ -513,9 +519,15 @@ TEST(ParityChecker, a_batch_summed_slice_by_slice_passes_and_one_slice_counted_t
   cancelling.batch_size = 8;
   cancelling.seed = 278;
   // One sample a slice: no BatchNorm (a slice of one has no batch statistics).
-  for (const auto& c : {cancelling, preset_case("mlp-tiny"), preset_case("gpt-tiny"), own_model(kOwnModels[2])}) {
+  auto ignoring = cancelling;  // slices whose every target is ignored: no gradient of their own
+  ignoring.ignore_targets = true;
+  for (const auto& c : {cancelling, ignoring, preset_case("mlp-tiny"), preset_case("gpt-tiny"), own_model(kOwnModels[2])}) {
     const auto right = check_with<SlicesEverySample>(c);
     EXPECT_TRUE(right.ok) << c.to_string() << ": " << right.message;
+    if (c.batch_size >= 5) {  // uneven slices (8 into 1,2,1,2,2), as the explorer's pipelines had
+      const auto uneven = check_with<SlicesIntoFive>(c);
+      EXPECT_TRUE(uneven.ok) << c.to_string() << ": " << uneven.message;
+    }
     const auto wrong = check_with<DoublesOneSample>(c);
     EXPECT_FALSE(wrong.ok) << c.to_string();
     EXPECT_THAT(wrong.message, HasSubstr("gradient")) << c.to_string();

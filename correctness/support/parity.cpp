@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "models/check.h"
@@ -234,26 +235,48 @@ std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, con
 // slices' magnitudes, which can be far above the whole batch's gradient where the slices cancel (a
 // head's bias over two classes: each sample's pull is ~1/batch, their sum 100 times smaller). The
 // baselines sum the batch in one reduction and cannot sample that, so the floor takes the slices'
-// size: `sizes` gains, for every element, the sum of |slice's gradient| over the slices of `batch`,
-// taken from `sliced`, an fp64 run of the baseline that trains on the slices one by one (each
-// slice's mean weighted by its share of the batch's targets, as loss_sum / count splits it). A
-// slice without a counted target adds nothing and is not run (its mean is undefined).
-void add_slice_sizes(Strategy& sliced, const models::Batch& batch, int64_t slices, NamedTensors& sizes) {
+// size: `sizes` (one tensor per parameter, in canonical order) gains, for every element, the sum
+// of |slice's gradient| over the slices of `batch`. `model` is an fp64 copy of the case's model,
+// set first to the reference's parameters and buffers as they were before its step on `batch`, so
+// the slices are those of the reference's own point; each slice's gradient is that of its
+// loss_sum over the whole batch's target count, as the strategies split it (a slice without a
+// counted target has none).
+void add_slice_sizes(models::BlockModel& model, const torch::Device& device, const NamedTensors& params,
+                     const NamedTensors& buffers, const models::Batch& batch, int64_t slices, NamedTensors& sizes) {
+  const auto& p = model.parameters();
+  const auto& b = model.buffers();
+  STRATA_CHECK(p.size() == params.size() && b.size() == buffers.size(),
+               "check_parity: the reference reports " << params.size() << " parameters and " << buffers.size()
+                                                      << " buffers, a fresh build of the model " << p.size() << " and "
+                                                      << b.size());
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < p.size(); ++i) p[i].tensor.copy_(params[i].second);
+    for (size_t i = 0; i < b.size(); ++i) b[i].tensor.copy_(buffers[i].second);
+  }
+  if (sizes.empty())
+    for (const auto& np : p) sizes.emplace_back(np.name, torch::zeros(np.tensor.sizes(), torch::kDouble));
+  std::vector<torch::Tensor> trainable;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i].tensor.requires_grad()) {
+      trainable.push_back(p[i].tensor);
+      index.push_back(i);
+    }
+  if (trainable.empty()) return;
   const int64_t n = batch.size();
   const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
-  auto before = sliced.gradients();
-  if (sizes.empty())
-    for (const auto& [name, g] : before) sizes.emplace_back(name, torch::zeros_like(g, torch::kDouble));
   for (int64_t k = 0; k < slices; ++k) {
     const int64_t lo = n * k / slices, hi = n * (k + 1) / slices;
-    models::Batch slice{batch.input.narrow(0, lo, hi - lo), batch.target.narrow(0, lo, hi - lo)};
-    const auto share = static_cast<double>(models::BlockModel::count_targets(slice.target)) / counted;
-    if (hi == lo || share == 0) continue;
-    sliced.train_step(in_float64(slice));
-    auto after = sliced.gradients();
-    for (size_t i = 0; i < after.size() && i < sizes.size(); ++i)
-      sizes[i].second.add_((after[i].second.to(torch::kDouble) - before[i].second.to(torch::kDouble)).abs_().mul_(share));
-    before = std::move(after);
+    const auto target = batch.target.narrow(0, lo, hi - lo);
+    if (hi == lo || models::BlockModel::count_targets(target) == 0) continue;
+    auto x = batch.input.narrow(0, lo, hi - lo).to(device);
+    for (const auto& block : model.blocks()) x = block->forward(x);
+    const auto loss = model.loss_sum(x, target.to(device)) / counted;
+    const auto grads = torch::autograd::grad({loss}, trainable, {}, /*retain_graph=*/false, /*create_graph=*/false,
+                                             /*allow_unused=*/true);
+    for (size_t j = 0; j < grads.size(); ++j)
+      if (grads[j].defined()) sizes[index[j]].second.add_(grads[j].detach().to(torch::kCPU, torch::kDouble).abs());
   }
 }
 
@@ -325,13 +348,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       baselines.back()->attach(std::move(model));
     }
 
-    // A strategy that splits the batch: an fp64 run on its slices, for the floor (add_slice_sizes).
-    const int64_t slices = std::min<int64_t>(strategy->batch_slices(c.batch_size), c.batch_size);
-    std::unique_ptr<Strategy> sliced;
-    if (slices > 1) {
-      sliced = Registry::create("baseline", fp64_config);
-      sliced->attach(in_float64(c.build()));
-    }
+    // A strategy that splits the batch: an fp64 copy of the model for its slices' sizes
+    // (add_slice_sizes), made where a batch is first split.
+    std::optional<models::BlockModel> slicer;
 
     const std::string opt = kind == OptimizerKind::sgd ? "sgd" : "adamw";
     auto fail = [&](int step, const std::string& msg) {
@@ -381,6 +400,12 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       NamedTensors slice_sizes;
       for (int micro = 0; micro < micro_batches; ++micro) {
         const auto batch = c.batch(step, micro);
+        const int64_t slices = std::min<int64_t>(strategy->batch_slices(batch.size()), batch.size());
+        NamedTensors ref_params, ref_buffers;  // the reference's point before this batch, for the slices
+        if (slices > 1) {
+          ref_params = reference->parameters();
+          ref_buffers = reference->buffers();
+        }
         const auto generators = random_states(device);
         const double expected = reference->train_step(in_float64(batch));
         if (const auto drawn = drawn_since(generators); drawn.cpu.defined() || drawn.device.defined())
@@ -400,18 +425,24 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
             !msg.empty())
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
         // After the strategy's step, so that a batch it cannot slice is named by its own Error.
-        if (sliced) add_slice_sizes(*sliced, in_float64(batch), slices, slice_sizes);
+        if (slices > 1) {
+          if (!slicer) {
+            slicer.emplace(in_float64(c.build()));
+            for (const auto& block : slicer->blocks()) block->to(device);
+          }
+          add_slice_sizes(*slicer, device, ref_params, ref_buffers, in_float64(batch), slices, slice_sizes);
+        }
       }
       // Kept for the movement rules below: the optimizer step zeroes them.
       const auto ref_grads = reference->gradients(), grads = strategy->gradients();
-      const auto grad_scales = sliced ? larger_of(by_block(ref_grads), by_block(slice_sizes)) : by_block(ref_grads);
+      const auto grad_scales =
+          slice_sizes.empty() ? by_block(ref_grads) : larger_of(by_block(ref_grads), by_block(slice_sizes));
       if (auto msg = settle(compare_to_reference("gradient", grads, of_each(baselines, gradients), ref_grads,
                                                  grad_scales, {}, &gradient_bounds, u));
           !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);
       if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
       reference->optimizer_step();
-      if (sliced) sliced->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
       const auto skipped_before = strategy->stats().skipped_steps;
       strategy->optimizer_step();
