@@ -534,6 +534,64 @@ TEST(ParityChecker, a_batch_summed_slice_by_slice_passes_and_one_slice_counted_t
   }
 }
 
+// Slices every sample, and reports the first gradient of '1.bias' (the cancelling head bias) moved
+// by `offset` in its first element; the step itself is right.
+ParityResult slices_with_bias_moved(const ParityCase& c, double offset) {
+  class Moved : public SlicesEverySample {
+   public:
+    Moved(const StrategyConfig& cfg, double offset) : SlicesEverySample(cfg), offset_(offset) {}
+    NamedTensors gradients() override {
+      auto list = SlicesEverySample::gradients();
+      for (auto& [name, t] : list)
+        if (name == "1.bias" && !moved_) {
+          t[0] += offset_;
+          moved_ = true;
+        }
+      return list;
+    }
+
+   private:
+    double offset_;
+    bool moved_ = false;
+  };
+  return check_parity([&](const StrategyConfig& cfg) { return std::make_unique<Moved>(cfg, offset); }, c,
+                      test::device());
+}
+
+// The slices' floor is not wider than it should be. Worked out here apart from the checker, at the
+// first step in float64: for each parameter of the head block, the sum over samples of |sample's
+// gradient| (its loss_sum over the batch's target count), the largest element over the block; the
+// floor is 8 ulps of that. A first gradient of '1.bias' off by a quarter of it passes, by four times
+// it fails (a floor eight times too wide, as the batch's count left out would make it, passes that).
+TEST(ParityChecker, the_slices_floor_is_eight_ulps_of_the_slices_summed_size) {
+  ParityCase c;
+  c.model = models::ModelConfig::parse("mlp(depth=1 width=5 in_features=9 classes=2 tied=0)");
+  c.batch_size = 8;
+  c.seed = 278;
+  auto model = c.build();
+  for (const auto& block : model.blocks()) block->to(torch::kDouble);
+  const auto batch = c.batch(0);
+  const auto counted = static_cast<double>(models::BlockModel::count_targets(batch.target));
+  std::vector<torch::Tensor> head;
+  for (auto i : model.block_parameters().back()) head.push_back(model.parameters()[i].tensor);
+  std::vector<torch::Tensor> sizes;
+  for (const auto& p : head) sizes.push_back(torch::zeros_like(p));
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    auto x = batch.input.narrow(0, i, 1).to(torch::kDouble);
+    for (const auto& block : model.blocks()) x = block->forward(x);
+    const auto g = torch::autograd::grad({model.loss_sum(x, batch.target.narrow(0, i, 1)) / counted}, head);
+    for (size_t j = 0; j < head.size(); ++j) sizes[j] += g[j].abs();
+  }
+  double largest = 0.0;
+  for (const auto& t : sizes) largest = std::max(largest, t.max().item<double>());
+  const double floor = kRoundingFloorUlps * kFp32UnitRoundoff * largest;
+  const auto within = slices_with_bias_moved(c, floor / 4);
+  EXPECT_TRUE(within.ok) << within.message;
+  const auto beyond = slices_with_bias_moved(c, 4 * floor);
+  EXPECT_FALSE(beyond.ok);
+  EXPECT_THAT(beyond.message, HasSubstr("sgd step 0: gradient '1.bias'"));
+}
+
 TEST(ParityChecker, catches_a_strategy_that_does_not_accumulate) {
   ParityCase c;
   c.model = models::preset("mlp-tiny").config;
