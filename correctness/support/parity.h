@@ -17,7 +17,11 @@
 // with u = 2^-24 and `scale` the magnitude of what entered the computation (below; for a strategy
 // whose batch_slices() is above 1, a gradient's scale also takes the sum over the slices of each
 // slice's |gradient|, from a float64 run on the slices: the strategy rounds the slices and their
-// sum at that size, which the whole-batch baselines never see where the slices cancel). The B_k measure
+// sum at that size, which the whole-batch baselines never see where the slices cancel). A gradient
+// that fails this bound is looked at once more with its scale widened the same way to the sum over
+// the batch's samples of |sample's gradient| (a strategy that forms each sample's share by another
+// route, a softmax split over class shards, rounds at the shares' size where they cancel); a model
+// that cannot run a sample alone (BatchNorm) keeps the first verdict. The B_k measure
 // how large fp32 rounding is for this very quantity, cancellation included: a gradient that is
 // zero in exact arithmetic (a bias before a BatchNorm) is pure rounding noise in every fp32 run, and
 // so is its bound. The moved ulp gives each B_k its own rounding pattern, so one lucky run cannot
