@@ -348,9 +348,16 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       baselines.back()->attach(std::move(model));
     }
 
-    // A strategy that splits the batch: an fp64 copy of the model for its slices' sizes
-    // (add_slice_sizes), made where a batch is first split.
+    // An fp64 copy of the model for the slices' and samples' sizes (add_slice_sizes), made where
+    // first needed.
     std::optional<models::BlockModel> slicer;
+    auto model_for_slices = [&]() -> models::BlockModel& {
+      if (!slicer) {
+        slicer.emplace(in_float64(c.build()));
+        for (const auto& block : slicer->blocks()) block->to(device);
+      }
+      return *slicer;
+    };
 
     const std::string opt = kind == OptimizerKind::sgd ? "sgd" : "adamw";
     auto fail = [&](int step, const std::string& msg) {
@@ -398,24 +405,13 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
       const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;
       NamedTensors slice_sizes;
-      struct Point {  // a batch of the step, and the reference's parameters and buffers before it
-        models::Batch batch;
-        NamedTensors params, buffers;
-      };
-      std::vector<Point> points;
-      auto model_for_slices = [&]() -> models::BlockModel& {
-        if (!slicer) {
-          slicer.emplace(in_float64(c.build()));
-          for (const auto& block : slicer->blocks()) block->to(device);
-        }
-        return *slicer;
-      };
+      // The step's batches and the reference's buffers before each (its parameters before the
+      // step are ref_ends.before), for the slices' and samples' sizes.
+      std::vector<std::pair<models::Batch, NamedTensors>> points;
       for (int micro = 0; micro < micro_batches; ++micro) {
         const auto batch = c.batch(step, micro);
         const int64_t slices = std::min<int64_t>(strategy->batch_slices(batch.size()), batch.size());
-        points.push_back({batch, reference->parameters(), reference->buffers()});
-        const auto& ref_params = points.back().params;
-        const auto& ref_buffers = points.back().buffers;
+        points.emplace_back(batch, reference->buffers());
         const auto generators = random_states(device);
         const double expected = reference->train_step(in_float64(batch));
         if (const auto drawn = drawn_since(generators); drawn.cpu.defined() || drawn.device.defined())
@@ -436,7 +432,8 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
         // After the strategy's step, so that a batch it cannot slice is named by its own Error.
         if (slices > 1)
-          add_slice_sizes(model_for_slices(), device, ref_params, ref_buffers, in_float64(batch), slices, slice_sizes);
+          add_slice_sizes(model_for_slices(), device, ref_ends.before, points.back().second, in_float64(batch), slices,
+                          slice_sizes);
       }
       // Kept for the movement rules below: the optimizer step zeroes them.
       const auto ref_grads = reference->gradients(), grads = strategy->gradients();
@@ -454,9 +451,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         // first verdict.
         try {
           NamedTensors sample_sizes;
-          for (const auto& point : points)
-            add_slice_sizes(model_for_slices(), device, point.params, point.buffers, in_float64(point.batch),
-                            point.batch.size(), sample_sizes);
+          for (const auto& [batch, ref_buffers] : points)
+            add_slice_sizes(model_for_slices(), device, ref_ends.before, ref_buffers, in_float64(batch), batch.size(),
+                            sample_sizes);
           verdict = compare_to_reference("gradient", grads, base_grads, ref_grads,
                                          larger_of(grad_scales, by_block(sample_sizes)), {}, &gradient_bounds, u);
         } catch (const std::exception&) {
