@@ -61,7 +61,8 @@ TEST(DistributedPipeline, prop_matches_the_baseline_over_the_ranks) {
 
 // The GPT's tied embedding and head on the first and last ranks (a copy on each, gradients summed
 // over them), an even and an uneven split of the batch, and the CPU's delays on one rank's
-// compute and on every send.
+// compute and on every send. `ranks` is the world's size, so that outside a launch (a world of one)
+// the cases run as one rank in this process, as the property's do.
 TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed) {
   using namespace std::chrono_literals;
   for (const auto& strategy : kPipelines) {
@@ -72,7 +73,7 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
       c.model.depth = 2 * world();  // depth + 2 blocks: enough for 2 virtual stages per rank
       c.batch_size = batch;
       c.steps = 2;
-      c.options = {{"micro_batches", std::to_string(interleaved ? world() : batch - 1)}};
+      c.options = {{"micro_batches", std::to_string(interleaved ? world() : batch - 1)}, {"ranks", std::to_string(world())}};
       if (interleaved) c.options["virtual_stages"] = "2";
       const auto r = correctness::check_parity(strategy, c, test::device());
       EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
@@ -83,7 +84,7 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
     c.model.depth = std::max<int64_t>(c.model.depth, world() - 2);  // a block per rank at any world
     c.batch_size = 2 * world();
     c.steps = 1;
-    c.options = {{"micro_batches", std::to_string(2 * world())}};
+    c.options = {{"micro_batches", std::to_string(2 * world())}, {"ranks", std::to_string(world())}};
     const auto r = correctness::check_parity(strategy, c, test::device());
     EXPECT_TRUE(r.ok) << strategy << " with delays: " << r.message;
   }
@@ -108,7 +109,7 @@ TEST(DistributedPipeline, bf16_matches_the_reference_within_its_bounds) {
         c.model.depth = std::max<int64_t>(c.model.depth, 2 * world());
         c.batch_size = 2 * world();
         c.precision = PrecisionPolicy::parse(precision);
-        c.options = {{"micro_batches", std::to_string(world())}};
+        c.options = {{"micro_batches", std::to_string(world())}, {"ranks", std::to_string(world())}};
         if (interleaved) c.options["virtual_stages"] = "2";
         const auto r = correctness::check_parity(strategy, c, test::device());
         EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
