@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
 
 GIB = 1024 ** 3
 
@@ -91,6 +92,12 @@ def panels(n):
     return fig, flat[:n]
 
 
+def readable_ticks(axis):
+    """Few ticks, in engineering notation (150k, not 150000): a narrow panel's labels must not run together."""
+    axis.set_major_locator(MaxNLocator(nbins=5))
+    axis.set_major_formatter(EngFormatter(sep=""))
+
+
 def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
     fig, axes = panels(len(models))
     for ax, model in zip(axes, models):
@@ -101,6 +108,7 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
         ax.barh(names, vals, color=colors)
         ax.set_title(model)
         ax.set_xlabel(ylabel)
+        readable_ticks(ax.xaxis)
         ax.invert_yaxis()
     fig.suptitle(title + "  (blue: strata, orange: PyTorch peers)")
     fig.tight_layout()
@@ -366,16 +374,23 @@ def main():
     bar_chart(rows, models, memory_key, unit, "Peak device memory" if allocator else "Peak resident parameters",
               os.path.join(args.out, "memory.png"), 1.0 / div)
     # Memory against speed: lower-left is better.
+    # Points carry numbers, named in a key beside the panel: names written at the points ran into
+    # each other where strategies land close together.
     fig, axes = panels(len(models))
     for ax, model in zip(axes, models):
+        key = []
         for r in rows:
             if r["model"] != model or r["failed"]:
                 continue
             y = (r.get(memory_key) or 0) / div
+            key.append(f"{len(key) + 1:>2}  {r['strategy']}")
             ax.scatter(r["real_time"], y, c="#4c72b0" if r["source"] == "strata" else "#dd8452")
-            ax.annotate(r["strategy"], (r["real_time"], y), fontsize=7)
+            ax.annotate(str(len(key)), (r["real_time"], y), xytext=(3, 3), textcoords="offset points", fontsize=7)
+        ax.text(1.02, 1.0, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=6.5,
+                family="monospace")
         ax.set_xlabel("step ms")
         ax.set_ylabel(memory_label)
+        readable_ticks(ax.xaxis)
         ax.set_title(model)
     fig.suptitle("Memory against speed (lower left is better)")
     fig.tight_layout()
@@ -384,13 +399,13 @@ def main():
     # Achieved H2D bandwidth of the strategies that move bytes, against the link.
     moving = [r for r in rows if not r["failed"] and (r.get("h2d_GBps") or 0) > 0.01]
     if moving:
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(moving) + 1.5))
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(moving) + 1.5))
         labels = [f"{r['strategy']} / {r['model']}" for r in moving]
         ax.barh(labels, [r["h2d_GBps"] for r in moving], color="#4c72b0")
         if link:
             ax.axvline(link, color="red", linestyle="--", label=f"pinned link {link:.1f} GB/s")
             ax.legend()
-        ax.set_xlabel("GB/s host-to-device, averaged over a whole training step")
+        ax.set_xlabel("GB/s host-to-device,\naveraged over a whole training step")
         ax.invert_yaxis()
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "bandwidth.png"), dpi=110)
