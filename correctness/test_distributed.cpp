@@ -234,6 +234,7 @@ TEST(Distributed, a_batch_smaller_than_the_world_is_refused_naming_both) {
 // Run alone, by the fault tests of correctness/CMakeLists.txt: one rank fails mid-step (throws, or
 // dies when STRATA_FAULT=exit); every rank must end non-zero with a message.
 TEST(DistributedFault, a_failing_rank_ends_every_rank) {
+  STRATA_NEEDS_PROCESSES(2);
   const char* kind = std::getenv("STRATA_FAULT");
   const bool die = kind && std::string(kind) == "exit";
   const auto config = models::preset("gpt-tiny").config;

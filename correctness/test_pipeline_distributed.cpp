@@ -140,7 +140,8 @@ TEST(DistributedPipeline, a_stage_that_throws_ends_the_step_on_every_rank_with_i
     sc.device = test::device();
     std::string balance;  // one Failing block per rank, the head with the last
     for (int r = 0; r + 1 < world(); ++r) balance += "1,";
-    Pipeline p("pipeline", sc, PipelineOptions::parse({{"micro_batches", "3"}, {"schedule", schedule}, {"balance", balance + "2"}}));
+    Pipeline p("pipeline", sc, PipelineOptions::parse({{"micro_batches", "3"}, {"schedule", schedule}, {"balance", balance + "2"},
+                                                       {"ranks", std::to_string(world())}}));
     for (auto& f : failing) {
       f->calls = 0;
       f->fail_after = -1;
@@ -158,6 +159,7 @@ TEST(DistributedPipeline, a_stage_that_throws_ends_the_step_on_every_rank_with_i
 }
 
 TEST(DistributedPipeline, ranks_with_different_models_are_refused_on_every_rank) {
+  STRATA_NEEDS_PROCESSES(2);
   auto config = models::preset("gpt-tiny").config;
   config.depth = world();
   if (rank() == world() - 1) config.width = 16;  // the last rank builds another model
@@ -169,6 +171,7 @@ TEST(DistributedPipeline, ranks_with_different_models_are_refused_on_every_rank)
 }
 
 TEST(DistributedPipeline, in_process_options_are_refused_naming_them) {
+  STRATA_NEEDS_PROCESSES(2);  // in one process these options are the in-process pipeline's own
   StrategyConfig sc;
   sc.device = test::device();
   Pipeline p("pipeline_1f1b", sc, PipelineOptions::parse({{"devices", "cpu,cpu"}}));
