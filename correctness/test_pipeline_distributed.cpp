@@ -31,6 +31,10 @@ const std::vector<std::string> kPipelines = {"pipeline_gpipe", "pipeline_1f1b", 
 using test::rank;
 using test::world;
 
+// The `ranks` option of a case run here: one rank a process, the world's size (outside a launch, a
+// world of one: the case runs as one rank in this process).
+std::pair<const std::string, std::string> one_rank_a_process() { return {"ranks", std::to_string(world())}; }
+
 int64_t count(const std::string& list) { return list.empty() ? 0 : std::count(list.begin(), list.end(), ',') + 1; }
 
 // The registry's generated pipeline cases whose rank count is this job's world: the processes are
@@ -61,8 +65,7 @@ TEST(DistributedPipeline, prop_matches_the_baseline_over_the_ranks) {
 
 // The GPT's tied embedding and head on the first and last ranks (a copy on each, gradients summed
 // over them), an even and an uneven split of the batch, and the CPU's delays on one rank's
-// compute and on every send. `ranks` is the world's size, so that outside a launch (a world of one)
-// the cases run as one rank in this process, as the property's do.
+// compute and on every send.
 TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed) {
   using namespace std::chrono_literals;
   for (const auto& strategy : kPipelines) {
@@ -73,7 +76,7 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
       c.model.depth = 2 * world();  // depth + 2 blocks: enough for 2 virtual stages per rank
       c.batch_size = batch;
       c.steps = 2;
-      c.options = {{"micro_batches", std::to_string(interleaved ? world() : batch - 1)}, {"ranks", std::to_string(world())}};
+      c.options = {{"micro_batches", std::to_string(interleaved ? world() : batch - 1)}, one_rank_a_process()};
       if (interleaved) c.options["virtual_stages"] = "2";
       const auto r = correctness::check_parity(strategy, c, test::device());
       EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
@@ -84,7 +87,7 @@ TEST(DistributedPipeline, tied_gpt_matches_the_baseline_even_uneven_and_delayed)
     c.model.depth = std::max<int64_t>(c.model.depth, world() - 2);  // a block per rank at any world
     c.batch_size = 2 * world();
     c.steps = 1;
-    c.options = {{"micro_batches", std::to_string(2 * world())}, {"ranks", std::to_string(world())}};
+    c.options = {{"micro_batches", std::to_string(2 * world())}, one_rank_a_process()};
     const auto r = correctness::check_parity(strategy, c, test::device());
     EXPECT_TRUE(r.ok) << strategy << " with delays: " << r.message;
   }
@@ -109,7 +112,7 @@ TEST(DistributedPipeline, bf16_matches_the_reference_within_its_bounds) {
         c.model.depth = std::max<int64_t>(c.model.depth, 2 * world());
         c.batch_size = 2 * world();
         c.precision = PrecisionPolicy::parse(precision);
-        c.options = {{"micro_batches", std::to_string(world())}, {"ranks", std::to_string(world())}};
+        c.options = {{"micro_batches", std::to_string(world())}, one_rank_a_process()};
         if (interleaved) c.options["virtual_stages"] = "2";
         const auto r = correctness::check_parity(strategy, c, test::device());
         EXPECT_TRUE(r.ok) << strategy << " " << c.to_string() << ": " << r.message;
@@ -141,7 +144,7 @@ TEST(DistributedPipeline, a_stage_that_throws_ends_the_step_on_every_rank_with_i
     std::string balance;  // one Failing block per rank, the head with the last
     for (int r = 0; r + 1 < world(); ++r) balance += "1,";
     Pipeline p("pipeline", sc, PipelineOptions::parse({{"micro_batches", "3"}, {"schedule", schedule}, {"balance", balance + "2"},
-                                                       {"ranks", std::to_string(world())}}));
+                                                       one_rank_a_process()}));
     for (auto& f : failing) {
       f->calls = 0;
       f->fail_after = -1;

@@ -405,15 +405,15 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
       const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;
       NamedTensors slice_sizes;
-      // The step's batches and the reference's buffers before each (its parameters before the
-      // step are ref_ends.before), for the slices' and samples' sizes.
+      // The step's batches in float64 and the reference's buffers before each (its parameters
+      // before the step are ref_ends.before), for the slices' and samples' sizes.
       std::vector<std::pair<models::Batch, NamedTensors>> points;
       for (int micro = 0; micro < micro_batches; ++micro) {
         const auto batch = c.batch(step, micro);
         const int64_t slices = std::min<int64_t>(strategy->batch_slices(batch.size()), batch.size());
-        points.emplace_back(batch, reference->buffers());
+        points.emplace_back(in_float64(batch), reference->buffers());
         const auto generators = random_states(device);
-        const double expected = reference->train_step(in_float64(batch));
+        const double expected = reference->train_step(points.back().first);
         if (const auto drawn = drawn_since(generators); drawn.cpu.defined() || drawn.device.defined())
           STRATA_FAIL("check_parity: the model draws random numbers in its training step (the "
                       << (drawn.cpu.defined() ? std::string("CPU") : device.str())
@@ -432,7 +432,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
           return fail(step, (micro ? "second accumulated batch: " : "") + msg);
         // After the strategy's step, so that a batch it cannot slice is named by its own Error.
         if (slices > 1)
-          add_slice_sizes(model_for_slices(), device, ref_ends.before, points.back().second, in_float64(batch), slices,
+          add_slice_sizes(model_for_slices(), device, ref_ends.before, points.back().second, points.back().first, slices,
                           slice_sizes);
       }
       // Kept for the movement rules below: the optimizer step zeroes them.
@@ -452,7 +452,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         try {
           NamedTensors sample_sizes;
           for (const auto& [batch, ref_buffers] : points)
-            add_slice_sizes(model_for_slices(), device, ref_ends.before, ref_buffers, in_float64(batch), batch.size(),
+            add_slice_sizes(model_for_slices(), device, ref_ends.before, ref_buffers, batch, batch.size(),
                             sample_sizes);
           verdict = compare_to_reference("gradient", grads, base_grads, ref_grads,
                                          larger_of(grad_scales, by_block(sample_sizes)), {}, &gradient_bounds, u);
