@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A trace of whole steps (strata_compare --profile=DIR --profile-steps=N) read along one time axis:
 the strata annotations (forward+backward, optimizer step, hook_offload's host updates), the
-compute stream's idle stretches longer than a threshold, and every copy over a size with its
-rate. What an overlapped optimizer makes the next forward wait for is read off by setting the
+compute stream's idle stretches longer than a threshold, every copy over a size with its rate,
+and each forward+backward's tail: how long it went on after the compute stream's last kernel in it,
+in copies still landing and then in host work alone (a tied matrix's rows added on the host, say). What an overlapped optimizer makes the next forward wait for is read off by setting the
 stretches beside the copies and the host updates.
 
   step_trace.py TRACE.json [--idle-us 300] [--min-mb 50]
@@ -34,7 +35,9 @@ def stream_of(e):
 def read(path, idle_us=300.0, min_mb=50.0):
     """The trace as a dict: t0 (us), compute stream, annotations [(name, start ms, end ms)], host
     updates [(name, start ms, end ms)], idle [(start ms, end ms)], copies [(kind, start ms, ms,
-    MB, GB/s)]."""
+    MB, GB/s)], tails [(start ms, last kernel's end ms, last copy's end ms, end ms, MB copied)]: one
+    for each strata::forward_backward holding a compute kernel, the copies (any size) those that end
+    after that kernel and by the annotation's end (the last copy's end is the kernel's where none)."""
     ev = [e for e in events(path) if e.get("ph") == "X"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
@@ -53,7 +56,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
     out = {"t0": t0, "compute": compute,
            "annotations": [s for s in spans if not s[0].startswith("strata::host_update")],
            "host_updates": [s for s in spans if s[0].startswith("strata::host_update")],
-           "idle": [], "copies": []}
+           "idle": [], "copies": [], "tails": []}
     busy = sorted((e for e in gpu if e["cat"] == "kernel" and stream_of(e) == compute),
                   key=lambda e: float(e["ts"]))
     if busy:
@@ -69,13 +72,29 @@ def read(path, idle_us=300.0, min_mb=50.0):
         if nbytes >= min_mb * 1e6 and dur > 0:
             kind = "HtoD" if "HtoD" in e["name"] else "DtoH" if "DtoH" in e["name"] else e["name"].split("(")[0].strip()
             out["copies"].append((kind, ms(e["ts"]), dur / 1e3, nbytes / 1e6, nbytes / dur / 1e3))
+    ends = lambda e: ms(float(e["ts"]) + float(e["dur"]))  # noqa: E731
+    for name, a, b in out["annotations"]:
+        if name != "strata::forward_backward":
+            continue
+        inside = [ends(e) for e in busy if a <= ms(e["ts"]) <= b]
+        if not inside:
+            continue
+        last = max(inside)
+        landing = [e for e in gpu if e["cat"] == "gpu_memcpy" and last < ends(e) <= b]
+        copied = sum(float(e.get("args", {}).get("bytes", 0)) for e in landing) / 1e6
+        out["tails"].append((a, last, max([last] + [ends(e) for e in landing]), b, copied))
     return out
 
 
 def report(t, idle_us, min_mb):
     lines = [f"compute stream (device, stream) {t['compute']}; times in ms from the first GPU activity"]
+    tails = {a: (last, landed, b, mb) for a, last, landed, b, mb in t["tails"]}
     for name, a, b in t["annotations"]:
         lines.append(f"{name:32s} {a:10.2f} .. {b:10.2f}")
+        if name == "strata::forward_backward" and a in tails:
+            last, landed, end, mb = tails[a]
+            lines.append(f"  after its last kernel ({last:.2f}): {end - last:.2f} ms, copies landing for "
+                         f"{landed - last:.2f} ms ({mb:.1f} MB), then {end - landed:.2f} ms with none")
     idle = sum(b - a for a, b in t["idle"])
     lines.append(f"compute idle over {idle_us:g} us: {len(t['idle'])} stretches, {idle:.2f} ms")
     lines += [f"  idle {a:10.2f} .. {b:10.2f} ({b - a:.2f} ms)" for a, b in t["idle"]]

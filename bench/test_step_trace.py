@@ -2,7 +2,8 @@
 """Checks bench/step_trace.py on a hand-made trace of one step boundary: the compute stream is the
 one with the most kernels, its idle stretches over the threshold are found (and the shorter one
 is not), overlapping kernels do not make a stretch, copies get their rates and the small one is
-left out, host updates are told apart from the other annotations; a trace without GPU work is
+left out, host updates are told apart from the other annotations, the forward+backward's tail
+after its last kernel is split into copies landing and host work alone; a trace without GPU work is
 refused."""
 import gzip
 import os
@@ -31,6 +32,8 @@ def main():
         k(6500, 10, device=1),
         dict(cat="gpu_memcpy", name="Memcpy HtoD (Pinned -> Device)", ts=4000, dur=4000, args=dict(stream=3, bytes=200e6)),
         dict(cat="gpu_memcpy", name="Memcpy DtoH (Device -> Pinned)", ts=4000, dur=100, args=dict(stream=4, bytes=1e6)),
+        # Ends in the forward+backward's tail (after its last kernel's end, 3800; before its end, 3900).
+        dict(cat="gpu_memcpy", name="Memcpy DtoH (Device -> Pinned)", ts=3790, dur=60, args=dict(stream=4, bytes=2e6)),
         dict(cat="user_annotation", name="strata::forward_backward", ts=900, dur=3000),
         dict(cat="user_annotation", name="strata::host_update block 0", ts=3000, dur=1000, tid=42),
         dict(cat="user_annotation", name="other", ts=0, dur=1),
@@ -44,7 +47,11 @@ def main():
     assert len(t["copies"]) == 1, t["copies"]
     kind, start, dur, mb, rate = t["copies"][0]
     assert (kind, start, dur, mb) == ("HtoD", 3.0, 4.0, 200.0) and abs(rate - 50.0) < 1e-9, t["copies"]
+    assert len(t["tails"]) == 1, t["tails"]
+    a, last, landed, end, mb = t["tails"][0]
+    assert [round(x, 6) for x in (a, last, landed, end, mb)] == [-0.1, 2.8, 2.85, 2.9, 2.0], t["tails"]
     text = step_trace.report(t, 300, 50)
+    assert "after its last kernel (2.80): 0.10 ms, copies landing for 0.05 ms (2.0 MB), then 0.05 ms with none" in text, text
     assert "compute idle over 300 us: 1 stretches, 6.20 ms" in text, text
     assert "HtoD       3.00    4.00 ms     200.0 MB   50.0 GB/s" in text, text
     r = subprocess.run([sys.executable, os.path.join(HERE, "step_trace.py"), empty], capture_output=True, text=True)
