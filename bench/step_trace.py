@@ -3,8 +3,9 @@
 the strata annotations (forward+backward, optimizer step, hook_offload's host updates), the
 compute stream's idle stretches longer than a threshold, every copy over a size with its rate,
 and each forward+backward's tail: how long it went on after the compute stream's last kernel in it,
-in copies still landing and then in host work alone (a tied matrix's rows added on the host, say). What an overlapped optimizer makes the next forward wait for is read off by setting the
-stretches beside the copies and the host updates.
+in copies still landing and then in host work alone (a tied matrix's rows added on the host, say).
+What an overlapped optimizer makes the next forward wait for is read off by setting the stretches
+beside the copies and the host updates.
 
   step_trace.py TRACE.json [--idle-us 300] [--min-mb 50]
 

@@ -12,7 +12,10 @@ inline int rank() { return distributed::environment().rank; }
 // launch refuses): run outside a launch, in a world of one, it fails saying what it needs instead of
 // with whatever a one-rank run happens to do. A failure, not a skip: a launcher that stopped setting
 // the world must not turn these into passes.
-#define STRATA_NEEDS_PROCESSES(n)                                                                        \
-  if (::strata::test::world() < (n))                                                                    \
-  FAIL() << "needs a launch of at least " << (n) << " processes (ctest starts it under "                \
-         << "strategies/distributed/launch.py); this is a world of " << ::strata::test::world()
+// (In a do-while, so that it stays one statement beside an if or else.)
+#define STRATA_NEEDS_PROCESSES(n)                                                                     \
+  do {                                                                                               \
+    if (::strata::test::world() < (n))                                                               \
+      FAIL() << "needs a launch of at least " << (n) << " processes (ctest starts it under "         \
+             << "strategies/distributed/launch.py); this is a world of " << ::strata::test::world(); \
+  } while (0)
