@@ -45,6 +45,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
         sys.exit(f"step_trace.py: {path} holds no GPU activity (was it recorded on a GPU?)")
     t0 = min(float(e["ts"]) for e in gpu)
     ms = lambda us: (float(us) - t0) / 1e3  # noqa: E731
+    ends = lambda e: ms(float(e["ts"]) + float(e["dur"]))  # noqa: E731
     kernels_on = {}
     for e in gpu:
         if e["cat"] == "kernel":
@@ -53,7 +54,7 @@ def read(path, idle_us=300.0, min_mb=50.0):
     compute = max(kernels_on, key=kernels_on.get) if kernels_on else None
     notes = sorted((e for e in ev if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("strata::")),
                    key=lambda e: float(e["ts"]))
-    spans = [(e["name"], ms(e["ts"]), ms(float(e["ts"]) + float(e["dur"]))) for e in notes]
+    spans = [(e["name"], ms(e["ts"]), ends(e)) for e in notes]
     out = {"t0": t0, "compute": compute,
            "annotations": [s for s in spans if not s[0].startswith("strata::host_update")],
            "host_updates": [s for s in spans if s[0].startswith("strata::host_update")],
@@ -73,7 +74,6 @@ def read(path, idle_us=300.0, min_mb=50.0):
         if nbytes >= min_mb * 1e6 and dur > 0:
             kind = "HtoD" if "HtoD" in e["name"] else "DtoH" if "DtoH" in e["name"] else e["name"].split("(")[0].strip()
             out["copies"].append((kind, ms(e["ts"]), dur / 1e3, nbytes / 1e6, nbytes / dur / 1e3))
-    ends = lambda e: ms(float(e["ts"]) + float(e["dur"]))  # noqa: E731
     for name, a, b in out["annotations"]:
         if name != "strata::forward_backward":
             continue
