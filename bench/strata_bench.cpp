@@ -640,8 +640,7 @@ int run(int argc, char** argv) {
     }
   }
   STRATA_CHECK(s.steps >= 1, "--steps=" << s.steps << " must be at least 1");
-  if (s.device.is_cuda() && distributed::environment().launched && distributed::environment().world_size > 1)
-    s.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(distributed::environment().local_rank));
+  s.device = distributed::rank_device(s.device);
   if (s.models.empty())
     s.models = s.device.is_cuda() ? std::vector<std::string>{"gpt-medium", "gpt-871m"}
                                   : std::vector<std::string>{"gpt-cpu", "bert-tiny"};

@@ -10,7 +10,10 @@
 #include <rapidcheck.h>
 
 #include <atomic>
+#include <cmath>
 
+#include "correctness/support/agreement.h"
+#include "correctness/support/chain.h"
 #include "correctness/support/errors.h"
 #include "correctness/support/failing_block.h"
 #include "correctness/support/generators.h"
@@ -158,6 +161,92 @@ TEST(DistributedPipeline, a_stage_that_throws_ends_the_step_on_every_rank_with_i
     double loss = 0;
     EXPECT_NO_THROW(loss = p.train_step(batch)) << schedule << " on rank " << rank();
     EXPECT_TRUE(std::isfinite(loss)) << schedule;
+  }
+}
+
+// What a rank's bytes_interconnect says it moved: its channels' messages (an 88-byte header of
+// int64s — kind, dtype, dimension count, 8 sizes — then the tensor), activations to the next rank
+// and their gradients back, one of each per micro-batch; and its share of the step's ring
+// all-reduces, 2 (W - 1) / W of each: the failure flag (a float), the loss (a double), and with a
+// tied GPT over several ranks the embedding's gradient (fp32) and its got-a-gradient flag. Worked
+// out from the model's own activation sizes; gpipe and 1f1b send the same.
+TEST(DistributedPipeline, interconnect_bytes_are_what_the_channels_and_all_reduces_moved) {
+  auto config = models::preset("gpt-tiny").config;
+  config.depth = std::max<int64_t>(config.depth, world());
+  const int64_t batch_size = 2 * world() + 1, micro_batches = world() + 1;  // uneven micro-batches
+  const auto batch = models::make_batch(config, batch_size, 3);
+  // Bytes of every block's output for the whole batch (all its micro-batches together).
+  auto model = models::build_model(config, 0);
+  std::vector<int64_t> out_bytes;
+  {
+    torch::NoGradGuard no_grad;
+    auto x = batch.input;
+    for (const auto& block : model.blocks()) {
+      x = block->forward(x);
+      out_bytes.push_back(x.nbytes());
+    }
+  }
+  const double w = world();
+  auto ring = [&](int64_t bytes) { return std::llround(static_cast<double>(bytes) * 2 * (w - 1) / w); };
+  for (const std::string strategy : {"pipeline_gpipe", "pipeline_1f1b"}) {
+    StrategyConfig sc;
+    sc.device = test::device();
+    sc.options = {{"micro_batches", std::to_string(micro_batches)}, one_rank_a_process()};
+    auto s = Registry::create(strategy, sc);
+    s->attach(models::build_model(config, 0));
+    const auto& balance = dynamic_cast<Pipeline&>(*s).balance();
+    s->reset_stats();
+    s->train_step(batch);
+    int64_t expected = ring(4) + ring(8);
+    int64_t last_block = -1;  // the last block of this rank's stage, and of the stage before it
+    int64_t before = -1;
+    for (int r = 0; r <= rank(); ++r) {
+      before = last_block;
+      last_block += balance[static_cast<size_t>(r)];
+    }
+    if (rank() + 1 < world()) expected += micro_batches * 88 + out_bytes[static_cast<size_t>(last_block)];
+    if (rank() > 0) expected += micro_batches * 88 + out_bytes[static_cast<size_t>(before)];
+    if (world() > 1) expected += ring(config.vocab * config.width * 4) + ring(4);  // the tied matrix
+    EXPECT_EQ(s->stats().bytes_interconnect, expected) << strategy << " on rank " << rank();
+  }
+}
+
+// A buffer lives on the rank of the stage that uses it and moves as a run over the micro-batches,
+// in order, would move it; buffers() returns the owner's on every rank. Worked out here with the
+// model alone: a forward of each micro-batch in turn from the step's starting parameters and
+// buffers. BatchNorm sits on the last rank's stage, with the head.
+TEST(DistributedPipeline, buffers_are_their_stages_on_every_rank) {
+  std::string blocks;
+  for (int r = 0; r < world(); ++r) blocks += "lin,";
+  const auto spec = correctness::ChainSpec::parse("chain(in=3 width=5 classes=4 blocks=" + blocks + "bn)");
+  const int64_t batch_size = 8, micro_batches = 2;  // 4 samples a micro-batch: BatchNorm has statistics
+  std::string balance;  // the input layer and a lin per rank; the last takes the bn and the head too
+  for (int r = 0; r < world(); ++r) balance += r == 0 ? "2" : r + 1 < world() ? ",1" : ",3";
+  if (world() == 1) balance = "4";
+  StrategyConfig sc;
+  sc.device = test::device();
+  sc.options = {{"micro_batches", std::to_string(micro_batches)}, {"balance", balance}, one_rank_a_process()};
+  auto s = Registry::create("pipeline_1f1b", sc);
+  s->attach(spec.build(5));
+  auto reference = spec.build(5);
+  for (const auto& block : reference.blocks()) block->to(test::device());
+  for (int step = 0; step < 2; ++step) {
+    const auto params = s->parameters(), buffers = s->buffers();
+    const auto batch = spec.make_batch(batch_size, 200 + step);
+    s->train_step(batch);
+    s->optimizer_step();
+    const auto after = s->buffers();
+    test::expect_the_same_on_every_rank("pipeline buffers after step " + std::to_string(step), after, test::device());
+    test::set_state(reference, params, buffers);
+    {
+      torch::NoGradGuard no_grad;
+      for (int64_t m = 0; m < micro_batches; ++m) {
+        auto x = batch.input.narrow(0, batch_size * m / micro_batches, batch_size / micro_batches).to(test::device());
+        for (const auto& block : reference.blocks()) x = block->forward(x);
+      }
+    }
+    test::expect_buffers_of(reference, after, "step " + std::to_string(step) + " on rank " + std::to_string(rank()) +
+                                                  " (the micro-batches in turn)");
   }
 }
 

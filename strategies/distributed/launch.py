@@ -9,7 +9,7 @@ rank's status (124 on timeout).
 On machines with PyTorch, torchrun does the same (torchrun --nproc-per-node=N --no-python CMD);
 over several machines use torchrun --nnodes (see README).
 
-  python3 strategies/distributed/launch.py --nproc=2 [--timeout=600] [--grace=20] -- COMMAND [ARGS...]
+  python3 strategies/distributed/launch.py --nproc=2 [--timeout=600] [--grace=20] [--share-device] -- COMMAND [ARGS...]
 """
 import argparse
 import os
@@ -39,6 +39,9 @@ def main():
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds the others get after a rank fails")
+    ap.add_argument("--share-device", action="store_true",
+                    help="every rank computes on one device (cuda:0) instead of cuda:LOCAL_RANK: sets "
+                         "STRATA_RANKS_SHARE_DEVICE=1, under which CUDA tensors travel over Gloo")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -51,6 +54,8 @@ def main():
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
                    LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if args.share_device:
+            env["STRATA_RANKS_SHARE_DEVICE"] = "1"
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
         t = threading.Thread(target=relay, args=(p.stdout, rank, lock), daemon=True)

@@ -59,6 +59,7 @@ Environment Environment::from_env() {
   if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
   if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE")) e.agent_store = std::string(a) == "True" || std::string(a) == "1";
   e.restart_count = int_from_env("TORCHELASTIC_RESTART_COUNT", 0, false);
+  e.ranks_share_device = int_from_env("STRATA_RANKS_SHARE_DEVICE", 0, false) != 0;
   STRATA_CHECK(e.world_size >= 1, "distributed: WORLD_SIZE=" << e.world_size << " must be at least 1");
   STRATA_CHECK(e.rank >= 0 && e.rank < e.world_size,
                "distributed: RANK=" << e.rank << " is not in 0.." << e.world_size - 1 << " (WORLD_SIZE=" << e.world_size << ")");
@@ -69,6 +70,13 @@ Environment Environment::from_env() {
 const Environment& environment() {
   static const Environment env = Environment::from_env();
   return env;
+}
+
+torch::Device rank_device(const torch::Device& requested) {
+  const auto& env = environment();
+  if (!requested.is_cuda() || !env.launched || env.world_size <= 1) return requested;
+  if (env.ranks_share_device) return torch::Device(torch::kCUDA, requested.has_index() ? requested.index() : 0);
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
 }
 
 void Work::wait() {
@@ -218,6 +226,18 @@ class C10dGroup : public Group {
       c10d::AllreduceOptions options;
       options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
       return impl_->allreduce(ts, options);
+    });
+  }
+
+  Work broadcast(const torch::Tensor& t, int root) override {
+    STRATA_CHECK(root >= 0 && root < size_, "broadcast: root " << root << " is not a rank of a world of " << size_);
+    // Gloo's broadcast knows no bfloat16: its 16-bit words travel as Half's, unchanged.
+    auto words = backend_ == "gloo" && t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+    return launch("broadcast", [this, words, root] {
+      std::vector<torch::Tensor> ts{words};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      return impl_->broadcast(ts, options);
     });
   }
 
@@ -382,14 +402,16 @@ class C10dChannel : public Channel {
     return send_header(header(Kind::tensor, t.scalar_type(), t.sizes()), t.contiguous());
   }
 
+  int64_t bytes_sent() const override { return sent_; }
+
   Work send_failure(const std::string& what) override {
     auto text = torch::empty({static_cast<int64_t>(what.size())}, torch::kUInt8);
     std::memcpy(text.data_ptr(), what.data(), what.size());
-    return send_header(header(Kind::failure, torch::kUInt8, text.sizes()), text.to(device_));
+    return send_header(header(Kind::failure, torch::kUInt8, text.sizes()), text);
   }
 
   Received receive() override {
-    auto h = torch::empty({kHeader}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+    auto h = torch::empty({kHeader}, torch::TensorOptions().dtype(torch::kLong).device(link_device()));
     wait("receive", recv(h));
     h = h.cpu();
     const auto* v = h.data_ptr<int64_t>();
@@ -397,8 +419,10 @@ class C10dChannel : public Channel {
     Received out;
     if (kind == Kind::undefined) return out;
     std::vector<int64_t> sizes(v + 3, v + 3 + v[2]);
-    auto t = torch::empty(sizes, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(v[1])).device(device_));
+    auto t = torch::empty(sizes, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(v[1])).device(link_device()));
     if (t.numel() > 0) wait("receive", recv(t));
+    // Staged through the host (Gloo): up to the device in the current stream's order.
+    if (t.device() != device_ && kind == Kind::tensor) t = t.to(device_, /*non_blocking=*/true);
     if (kind == Kind::failure) {
       auto text = t.cpu();
       out.failed = true;
@@ -420,8 +444,15 @@ class C10dChannel : public Channel {
     return h;
   }
 
+  // Where the link reads and writes: the channel's device, or the host for Gloo (which moves host
+  // memory only; a CUDA device's tensors are staged).
+  torch::Device link_device() const { return backend_ == "gloo" ? torch::Device(torch::kCPU) : device_; }
+
   Work send_header(torch::Tensor h, torch::Tensor payload) {
-    h = h.to(device_);
+    h = h.to(link_device());
+    // A blocking copy in the current stream's order: the host copy holds what the stream computed.
+    if (payload.defined() && payload.device() != link_device()) payload = payload.to(link_device());
+    sent_ += h.nbytes() + (payload.defined() ? payload.nbytes() : 0);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     {
       std::vector<torch::Tensor> ts{h};
@@ -461,14 +492,19 @@ class C10dChannel : public Channel {
   torch::Device device_;
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<compat::CollectiveBackend> impl_;
+  std::atomic<int64_t> sent_{0};
 };
 
 std::string backend_for(const torch::Device& device) {
   if (!device.is_cuda()) return "gloo";
   const char* choice = std::getenv("STRATA_CUDA_BACKEND");
-  std::string backend = choice ? choice : "nccl";
+  const bool shared = environment().ranks_share_device && environment().world_size > 1;
+  std::string backend = choice && *choice ? choice : shared ? "gloo" : "nccl";
   STRATA_CHECK(backend == "nccl" || backend == "gloo",
                "distributed: STRATA_CUDA_BACKEND='" << backend << "' is not valid; use nccl or gloo");
+  STRATA_CHECK(!(shared && backend == "nccl"),
+               "distributed: STRATA_RANKS_SHARE_DEVICE=1 puts every rank on one GPU, which NCCL refuses; "
+               "leave STRATA_CUDA_BACKEND unset or set it to gloo");
   return backend;
 }
 

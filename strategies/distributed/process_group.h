@@ -25,6 +25,11 @@ struct Environment {
   bool agent_store = false;  ///< TORCHELASTIC_USE_AGENT_STORE: torchrun's agent serves the store
   int restart_count = 0;     ///< TORCHELASTIC_RESTART_COUNT: the store's keys are this attempt's
   bool launched = false;     ///< the variables were set (else: a world of one)
+  /// STRATA_RANKS_SHARE_DEVICE=1: every rank of this machine computes on the one device it is
+  /// given (cuda:0 by default) instead of cuda:LOCAL_RANK, so a one-GPU machine runs every
+  /// multi-process CUDA path. NCCL refuses two ranks on one GPU, so CUDA tensors then travel over
+  /// Gloo (STRATA_CUDA_BACKEND=nccl with it is an Error).
+  bool ranks_share_device = false;
 
   /// Reads and checks the variables; an Error names a missing or malformed one.
   static Environment from_env();
@@ -58,6 +63,8 @@ class Group {
   virtual Work reduce_scatter(const torch::Tensor& out, const torch::Tensor& in) = 0;
   /// t <- the sum (or, with `max`, the largest) of every rank's t, in place.
   virtual Work all_reduce(const torch::Tensor& t, bool max = false) = 0;
+  /// t <- rank `root`'s t, in place, on every rank.
+  virtual Work broadcast(const torch::Tensor& t, int root) = 0;
   /// Every rank passes its `value` for `topic` (e.g. a description of its model); throws the same
   /// Error on every rank when one differs from rank 0's, naming both, or when a rank does not
   /// arrive within the timeout.
@@ -68,7 +75,9 @@ class Group {
 /// (the order the sender sends in). Each channel is a two-rank group of its own, so messages in the
 /// two directions between a pair never queue behind each other (one NCCL stream per direction).
 /// A tensor travels with a header (dtype and sizes): the receiver needs no shape. An undefined
-/// tensor travels as a marker and arrives undefined; a failure travels as its text.
+/// tensor travels as a marker and arrives undefined; a failure travels as its text. Gloo moves
+/// host memory only: a CUDA tensor over Gloo (ranks sharing a GPU) is staged through the host on
+/// both ends, in the current stream's order.
 class Channel {
  public:
   virtual ~Channel() = default;
@@ -87,6 +96,8 @@ class Channel {
   /// On `to`: the next message, on the channel's device. With NCCL the current stream waits for it.
   /// An Error when the sender does not send within the timeout.
   virtual Received receive() = 0;
+  /// Bytes this end has handed to the link so far, headers included (what a byte counter reports).
+  virtual int64_t bytes_sent() const = 0;
 
  protected:
   Channel(int from, int to) : from_(from), to_(to) {}
@@ -110,5 +121,10 @@ bool on_every_rank(Group& group, bool mine, const torch::Device& device);
 
 /// The environment group_for() uses, read once.
 const Environment& environment();
+
+/// The device this rank computes on when a strategy is asked for `requested`: launched over
+/// several processes on CUDA, cuda:LOCAL_RANK (each rank its own GPU), or `requested` itself where
+/// the ranks share a device (Environment::ranks_share_device); otherwise `requested`.
+torch::Device rank_device(const torch::Device& requested);
 
 }  // namespace strata::distributed

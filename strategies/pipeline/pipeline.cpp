@@ -136,7 +136,7 @@ struct Pipeline::Run {
   std::vector<std::vector<torch::Tensor>> stage_grads;  ///< stage -> parameter -> sum over its micro-batches
   std::vector<int> in_flight, peak;
   std::vector<torch::Tensor> losses;  ///< per micro-batch, on the last stage's device
-  std::vector<int64_t> bytes;         ///< per rank: interconnect bytes received
+  std::vector<int64_t> bytes;         ///< per rank (one process): bytes its messages moved to another device
   std::vector<distributed::Work> sends;  ///< c10d: this rank's messages in flight
   struct Timed {
     pipeline::Action action;
@@ -296,8 +296,7 @@ void Pipeline::attach_model(models::BlockModel model) {
                  name_ << ": launched as " << env.world_size << " processes, each is one rank on its own device;"
                        << " leave out devices= and ranks= (given: devices=" << options_.devices.size()
                        << " entries, ranks=" << options_.ranks << ")");
-    const auto mine = config_.device.is_cuda() ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
-                                               : config_.device;
+    const auto mine = distributed::rank_device(config_.device);
     devices.assign(static_cast<size_t>(env.world_size), mine);
     my_rank_ = env.rank;
     group_ = distributed::group_for(mine);
@@ -460,6 +459,7 @@ void Pipeline::attach_model(models::BlockModel model) {
       if (from != my_rank_ && to != my_rank_) continue;
       auto ch = distributed::channel(mine, from, to);
       if (from == my_rank_) {
+        outgoing_.push_back(ch);
         ch->send(torch::Tensor()).wait();
       } else {
         ch->receive();
@@ -503,6 +503,18 @@ double Pipeline::simulated_ms() const {
   return pipeline::simulate(schedule_, last_costs_).makespan;
 }
 
+int64_t Pipeline::channel_bytes_sent() const {
+  int64_t total = 0;
+  for (const auto& ch : outgoing_) total += ch->bytes_sent();
+  return total;
+}
+
+void Pipeline::count_all_reduce(const torch::Tensor& t) {
+  // A ring all-reduce: each rank sends 2 (W - 1) / W of the tensor.
+  const auto w = static_cast<double>(rank_devices_.size());
+  bytes_interconnect_ += static_cast<int64_t>(std::llround(static_cast<double>(t.nbytes()) * 2 * (w - 1) / w));
+}
+
 std::shared_ptr<distributed::Channel> Pipeline::channel_to(int rank, bool outgoing) const {
   const auto mine = rank_devices_[my_rank_];
   return outgoing ? distributed::channel(mine, my_rank_, rank) : distributed::channel(mine, rank, my_rank_);
@@ -525,7 +537,6 @@ std::vector<std::tuple<bool, int, int>> sends_of(const pipeline::Schedule& sched
 }  // namespace
 
 void Pipeline::send_remote(Run& run, int to_stage, const torch::Tensor& t) {
-  if (t.defined()) run.bytes[static_cast<size_t>(my_rank_)] += t.nbytes();
   run.sends.push_back(channel_to(schedule_.rank_of(to_stage), /*outgoing=*/true)->send(t));
 }
 
@@ -575,6 +586,7 @@ void Pipeline::finish_remote_step(Run& run) {
   const auto dev = rank_devices_[my_rank_];
   auto flag = torch::tensor({run.failed ? 1.0f : 0.0f}, torch::TensorOptions().device(dev));
   group_->all_reduce(flag, /*max=*/true).wait();
+  count_all_reduce(flag);
   if (flag.item<float>() > 0)
     throw Error(name_ + ": " + (run.failed ? run.failure : "a stage on another rank failed (its error is in that rank's output)"));
 }
@@ -786,6 +798,7 @@ double Pipeline::train_step(const models::Batch& batch) {
     return *w;
   };
   std::vector<device::HostQueue*> busy;
+  const int64_t sent_before = c10d_ ? channel_bytes_sent() : 0;
   if (c10d_) {  // this process's rank, and a receiver per rank that sends it anything
     busy.push_back(&worker(my_rank_));
     busy.back()->submit([this, &run] { run_rank(run, my_rank_); });
@@ -800,6 +813,9 @@ double Pipeline::train_step(const models::Batch& batch) {
     }
   }
   for (auto* w : busy) w->drain();  // run_rank and receive_from catch their own errors
+  // Across processes: what this rank's channels sent in the step (headers included), as they
+  // counted it.
+  if (c10d_) bytes_interconnect_ += channel_bytes_sent() - sent_before;
   if (c10d_) {
     device::Stream::Guard on_stream(run.rank_stream[static_cast<size_t>(my_rank_)]);
     try {
@@ -855,6 +871,7 @@ double Pipeline::train_step(const models::Batch& batch) {
   const auto dev = rank_devices_[my_rank_];
   auto total = torch::tensor({loss}, torch::TensorOptions().dtype(torch::kFloat64).device(dev));
   group_->all_reduce(total).wait();
+  count_all_reduce(total);
   loss = total.item<double>();
   const auto& here = local_param_;
   std::vector<size_t> summed;
@@ -873,6 +890,8 @@ double Pipeline::train_step(const models::Batch& batch) {
   auto flat = torch::cat(parts);
   group_->all_reduce(flat).wait();
   group_->all_reduce(got).wait();
+  count_all_reduce(flat);
+  count_all_reduce(got);
   got = got.cpu();
   int64_t at = 0;
   for (size_t k = 0; k < summed.size(); ++k) {
@@ -880,7 +899,6 @@ double Pipeline::train_step(const models::Batch& batch) {
     const auto n = params[i].tensor.numel();
     if (got[static_cast<int64_t>(k)].item<float>() > 0 && here[i])
       add_into_sum(grads_[i], flat.narrow(0, at, n).view(params[i].tensor.sizes()));
-    bytes_interconnect_ += n * static_cast<int64_t>(params[i].tensor.element_size());
     at += n;
   }
   return loss;

@@ -158,7 +158,12 @@ class Pipeline : public Strategy {
   bool local_stage(int64_t stage) const { return !c10d_ || schedule_.rank_of(static_cast<int>(stage)) == my_rank_; }
   std::vector<bool> local_param_;   ///< parameter -> used by a stage of this process (all, in one process)
   std::vector<bool> shared_param_;  ///< parameter -> trained and used on several ranks' processes
+  std::vector<std::shared_ptr<distributed::Channel>> outgoing_;  ///< this rank's channels to its neighbours
   std::shared_ptr<distributed::Channel> channel_to(int rank, bool outgoing) const;
+  /// What this rank's outgoing channels have sent, ever (their own count).
+  int64_t channel_bytes_sent() const;
+  /// Adds a ring all-reduce's share of `t` (2 (W - 1) / W of it) to the interconnect bytes.
+  void count_all_reduce(const torch::Tensor& t);
   void send_remote(Run& run, int to_stage, const torch::Tensor& t);
   void fail_remaining(Run& run, size_t from_action);
   void receive_from(Run& run, int peer);
