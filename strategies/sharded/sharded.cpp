@@ -1,6 +1,7 @@
 #include "strategies/sharded/sharded.h"
 
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <sstream>
 #include <unordered_map>
@@ -19,6 +20,7 @@ ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& o
   o.reshard_after_forward = reader.get_bool("reshard_after_forward", o.reshard_after_forward);
   o.offload = reader.get_bool("offload", o.offload);
   o.overlap_optimizer = reader.get_bool("overlap_optimizer", o.offload);
+  o.piece_kib = reader.get_int("piece_kib", o.piece_kib);
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_fail_rank = reader.get_int("debug_fail_rank", o.debug_fail_rank);
@@ -29,6 +31,7 @@ ShardedOptions ShardedOptions::parse(const std::map<std::string, std::string>& o
 
 void ShardedOptions::validate() const {
   STRATA_CHECK(prefetch >= 0, "sharded: prefetch=" << prefetch << " must be 0 (gather when needed) or more");
+  STRATA_CHECK(piece_kib >= 1, "sharded: piece_kib=" << piece_kib << " must be 1 or more (KiB of a shard per piece)");
   STRATA_CHECK(!overlap_optimizer || offload,
                "sharded: overlap_optimizer=1 applies to the host optimizer of offload=1 (sharded_offload)");
 }
@@ -36,7 +39,7 @@ void ShardedOptions::validate() const {
 std::string ShardedOptions::to_string() const {
   std::ostringstream out;
   out << "prefetch=" << prefetch << " recompute=" << recompute << " reshard_after_forward=" << reshard_after_forward
-      << " offload=" << offload << " overlap_optimizer=" << overlap_optimizer;
+      << " offload=" << offload << " overlap_optimizer=" << overlap_optimizer << " piece_kib=" << piece_kib;
   return out.str();
 }
 
@@ -53,32 +56,22 @@ struct Sharded::Unit {
   torch::Tensor shard_grad;     ///< its gradient since the last optimizer step, beside it
   bool has_grad = false;
   torch::Tensor full;           ///< [padded] on the device in the transfer dtype; storage exists only
-                                ///< while gathered
+                                ///< while gathered (or is the shard's: `aliased`)
+  bool aliased = false;         ///< world 1, fp32, on the device: the shard is the whole unit, and the
+                                ///< parameters are views of it for good (nothing to gather or free)
   int references = 0;
   distributed::Work gathering;
-  torch::Tensor grad_full;      ///< [padded] this step's uses summed in the reduction dtype, until
-                                ///< reduce-scattered
-  torch::Tensor reduced;        ///< [shard] the reduce-scatter's result (shard_grad itself on a fresh
-                                ///< device step), until added to shard_grad
-  distributed::Work reducing;
+  torch::Tensor grad_full;      ///< [padded] a shared unit's uses summed in the reduction dtype, until
+                                ///< its last use reduces it
   OptimizerState optimizer;
 };
 
-namespace {
-torch::Device compute_device(const torch::Device& requested) {
-  const auto& env = distributed::environment();
-  // Launched over several GPUs, each rank computes on its own: cuda:LOCAL_RANK.
-  if (requested.is_cuda() && env.launched && env.world_size > 1)
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
-  return requested;
-}
-}  // namespace
 
 Sharded::Sharded(std::string name, const StrategyConfig& config, ShardedOptions options)
     : name_(std::move(name)),
       config_(config),
       options_(std::move(options)),
-      device_(compute_device(config.device)),
+      device_(distributed::rank_device(config.device)),
       scaler_(config.precision) {
   device::check_available(device_);
   // Registry::create asks too; a Sharded made directly must not take what it cannot honour.
@@ -110,8 +103,13 @@ Sharded::~Sharded() {
   for (auto& unit : units_) {
     try {
       unit.gathering.wait();
-      unit.reducing.wait();
     } catch (...) {  // a failed collective was reported where it failed
+    }
+  }
+  for (auto& r : reducing_) {
+    try {
+      r.work.wait();
+    } catch (...) {
     }
   }
 }
@@ -188,12 +186,15 @@ void Sharded::attach_model(models::BlockModel model) {
       // zero_grad(set_to_none) does), so forward and the start of backward run without it.
     }
     shard_bytes_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
-    unit.full = torch::empty({unit.padded}, dev_options.dtype(config_.precision.transfer));
+    // In a world of one the shard is the whole unit: in fp32 on the device it is what the blocks
+    // compute with, and a gather would only copy it (debug_poison wants a buffer of its own).
+    unit.aliased = w == 1 && !options_.offload && config_.precision.transfer == torch::kFloat && !options_.debug_poison;
+    unit.full = unit.aliased ? unit.shard : torch::empty({unit.padded}, dev_options.dtype(config_.precision.transfer));
     for (auto p : unit.params) {
       auto& t = params[p].tensor;
       t.set_data(unit.full.narrow(0, param_slot_[p].second, t.numel()).view(t.sizes()));
     }
-    compat::release_storage(unit.full.storage());
+    if (!unit.aliased) compat::release_storage(unit.full.storage());
   }
   // Buffers live on the device, whole on every rank (they are small, and most are fixed).
   for (const auto& b : model.buffers()) b.tensor.set_data(b.tensor.to(device_));
@@ -213,24 +214,46 @@ void Sharded::gather(Unit& unit) {
     ++unit.references;
     return;
   }
+  if (unit.aliased) {  // the parameters are the shard's views: nothing to bring
+    unit.references = 1;
+    return;
+  }
   const int64_t bytes = unit.padded * gathered_element();
   compat::reallocate_storage(unit.full.storage(), static_cast<size_t>(bytes));
   try {
     torch::NoGradGuard no_grad;
     if (options_.debug_poison) unit.full.fill_(std::numeric_limits<float>::quiet_NaN());
-    if (offload_to_host()) {
+    // This rank's own slot of the gathered buffer is the gather's source (an in-place all-gather):
+    // no second copy of the shard on the device, which for a unit as large as a 6,000,000-class
+    // head would be one more copy of it in a world of one.
+    auto mine = unit.full.narrow(0, rank() * unit.shard_numel, unit.shard_numel);
+    if (options_.offload) {
       // The shard goes up on the copy stream and the gather is launched from it, so both overlap the
       // block computing now. The copy stream first waits for the compute queued so far: the gathered
-      // buffer was just allocated in the compute stream's order.
+      // buffer was just allocated in the compute stream's order. On the CPU the copy stream is a
+      // worker thread and Gloo reads the source from a thread of its own, in no stream's order:
+      // the gather starts once the copy has landed.
       h2d_->wait(device::Stream::compute(device_).record());
       device::Stream::Guard on_copy_stream(*h2d_);
-      auto source = travel_source(unit).to(device_, /*non_blocking=*/true);
+      h2d_->copy(mine, travel_source(unit));
       bytes_h2d_ += unit.shard_numel * gathered_element();
-      unit.gathering = group_->all_gather(unit.full, source);
+      if (world_size() == 1) {  // the copy is the gather: compute waits for it
+        unit.gathering = distributed::Work([this, landed = h2d_->record()] { device::Stream::compute(device_).wait(landed); });
+      } else {
+        if (device_.is_cpu()) h2d_->synchronize();
+        unit.gathering = group_->all_gather(unit.full, mine);
+      }
+    } else if (world_size() == 1) {
+      mine.copy_(unit.shard);  // the compute dtype's copy, in the compute stream's order
+      unit.gathering = distributed::Work();
     } else {
       unit.gathering = group_->all_gather(unit.full, travel_source(unit));
     }
   } catch (...) {
+    try {
+      if (h2d_) h2d_->synchronize();  // a copy queued into the buffer lands before it goes
+    } catch (...) {
+    }
     compat::release_storage(unit.full.storage());
     throw;
   }
@@ -243,10 +266,18 @@ void Sharded::gather(Unit& unit) {
 
 void Sharded::release(Unit& unit) {
   STRATA_CHECK(unit.references > 0, name_ << ": a unit was released more often than it was gathered");
-  if (--unit.references > 0) return;
-  unit.gathering.wait();  // a gather nobody waited for may still be writing the buffer
-  compat::release_storage(unit.full.storage());
-  gathered_bytes_ -= unit.padded * gathered_element();
+  if (--unit.references > 0 || unit.aliased) return;
+  auto free_it = [&] {
+    compat::release_storage(unit.full.storage());
+    gathered_bytes_ -= unit.padded * gathered_element();
+  };
+  try {
+    unit.gathering.wait();  // a gather nobody waited for may still be writing the buffer
+  } catch (...) {  // it failed (its group is done for): the buffer goes all the same
+    free_it();
+    throw;
+  }
+  free_it();
 }
 
 void Sharded::hold_window(int64_t block) {
@@ -266,7 +297,17 @@ void Sharded::hold_window(int64_t block) {
 void Sharded::drop_window(int64_t block) {
   if (!held_[block]) return;
   held_[block] = false;
-  for (auto u : windows_[block]) release(units_[u]);
+  // Every unit of the window released, even past one whose gather failed (it is counted off too):
+  // a unit left referenced would be taken for gathered by the next step.
+  std::exception_ptr failed;
+  for (auto u : windows_[block]) {
+    try {
+      release(units_[u]);
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 void Sharded::prefetch_from(int64_t block, bool backward) {
@@ -293,6 +334,34 @@ void Sharded::after_compute(int64_t block, bool backward) {
   drop_window(block);
 }
 
+namespace {
+// A unit's parameters' gradients where they sit in its flat buffer (trainable ones; undefined where
+// a parameter got none).
+struct FlatPart {
+  int64_t offset = 0, numel = 0;
+  torch::Tensor grad;  ///< flat, or undefined
+};
+
+// Elements [lo, lo + n) of the unit's flat gradient, written into `dst` (zeros where no gradient
+// is: frozen parameters, the padding, a parameter without one), or added to it.
+void fill_flat(const std::vector<FlatPart>& parts, int64_t lo, int64_t n, const torch::Tensor& dst, bool add) {
+  int64_t at = lo;  // the first element not written yet (writing)
+  for (const auto& part : parts) {
+    const int64_t a = std::max(lo, part.offset), b = std::min(lo + n, part.offset + part.numel);
+    if (a >= b || !part.grad.defined()) continue;
+    if (!add && a > at) dst.narrow(0, at - lo, a - at).zero_();
+    auto into = dst.narrow(0, a - lo, b - a);
+    const auto from = part.grad.narrow(0, a - part.offset, b - a);
+    if (add)
+      into.add_(from);
+    else
+      into.copy_(from);
+    at = b;
+  }
+  if (!add && lo + n > at) dst.narrow(0, at - lo, lo + n - at).zero_();
+}
+}  // namespace
+
 void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) {
   const auto& params = model().parameters();
   std::unordered_map<const void*, torch::Tensor> grad_of;
@@ -300,79 +369,154 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
   for (size_t i = 0; i < block_params.size(); ++i) grad_of[block_params[i].unsafeGetTensorImpl()] = grads[i];
   torch::NoGradGuard no_grad;
   // The reduce-scatters of earlier blocks have had this block's backward to run in: finish them, so
-  // their full-size gradient buffers go before this block's arrive.
+  // their buffers go before this block's arrive.
   finish_reductions();
+  const int64_t w = world_size();
+  const auto reduce_options = torch::TensorOptions().dtype(config_.precision.reduce).device(device_);
   for (auto u : windows_[block]) {
     auto& unit = units_[u];
     if (unit.trainable_numel == 0) continue;  // all frozen: nothing to reduce or update
-    if (!unit.grad_full.defined()) unit.grad_full = torch::zeros({unit.padded}, unit.full.options().dtype(config_.precision.reduce));
+    std::vector<FlatPart> parts;
     for (auto p : unit.params) {
       const auto& t = params[p].tensor;
       if (!t.requires_grad()) break;  // the frozen tail
       const auto& g = grad_of.at(t.unsafeGetTensorImpl());
-      if (g.defined()) unit.grad_full.narrow(0, param_slot_[p].second, t.numel()).add_(g.reshape({-1}));
+      parts.push_back({param_slot_[p].second, t.numel(), g.defined() ? g.reshape({-1}) : torch::Tensor()});
     }
-    if (--unit.pending_users > 0) continue;  // a shared parameter: its other uses come later in backward
-    // Its last use is done: reduce-scatter now, while the next block's backward runs; on a fresh step
-    // with the shard on the device and fp32 reduction, straight into its gradient.
-    const auto fp32 = unit.full.options().dtype(torch::kFloat);
-    const bool into_grad = !unit.has_grad && !options_.offload && config_.precision.reduce == torch::kFloat;
-    if (into_grad) unit.shard_grad = torch::empty({unit.shard_numel}, fp32);
-    unit.reduced = into_grad ? unit.shard_grad : torch::empty({unit.shard_numel}, unit.grad_full.options());
-    unit.reducing = group_->reduce_scatter(unit.reduced, unit.grad_full);
-    reducing_.push_back(static_cast<int64_t>(u));
-    const auto w = static_cast<double>(world_size());
-    // NCCL: a reduce-scatter. Gloo: an all-reduce, or for bf16 (which Gloo lacks) an all-gather
-    // of every rank's whole buffer.
-    const bool gloo_bf16 = group_->backend() != "nccl" && config_.precision.reduce == torch::kBFloat16;
-    count_collective(unit.padded * reduced_element(), group_->backend() == "nccl" ? (w - 1) / w
-                                                      : gloo_bf16                 ? w - 1
-                                                                                  : 2 * (w - 1) / w);
+    const bool fresh = !unit.has_grad;
+    const int64_t shard = unit.shard_numel;
+    if (unit.users > 1) {
+      // A shared parameter: its uses summed over the step (in the reduction dtype), reduced once
+      // its last use is done, while the next block's backward runs.
+      if (!unit.grad_full.defined()) {
+        unit.grad_full = torch::empty({unit.padded}, reduce_options);
+        fill_flat(parts, 0, unit.padded, unit.grad_full, /*add=*/false);
+      } else {
+        fill_flat(parts, 0, unit.padded, unit.grad_full, /*add=*/true);
+      }
+      if (--unit.pending_users > 0) continue;  // its other uses come later in backward
+      if (fresh && !options_.offload) unit.shard_grad = torch::empty({shard}, reduce_options.dtype(torch::kFloat));
+      Reduction r;
+      r.unit = static_cast<int64_t>(u);
+      r.length = shard;
+      r.fresh = fresh;
+      r.last = true;
+      if (w == 1) {
+        r.out = std::move(unit.grad_full);
+      } else {
+        const bool into_grad = fresh && !options_.offload && config_.precision.reduce == torch::kFloat;
+        r.in = std::move(unit.grad_full);
+        r.out = into_grad ? unit.shard_grad : torch::empty({shard}, reduce_options);
+        r.work = group_->reduce_scatter(r.out, r.in);
+        count_reduction(unit.padded);
+      }
+      unit.grad_full = torch::Tensor();
+      reducing_.push_back(std::move(r));
+      unit.has_grad = true;  // once its reduction is under way (a failed step undoes it: train_step)
+      continue;
+    }
+    --unit.pending_users;
+    if (fresh && !options_.offload) unit.shard_grad = torch::empty({shard}, reduce_options.dtype(torch::kFloat));
+    if (w == 1 && !options_.offload) {  // a world of one on the device: straight into the shard's gradient
+      fill_flat(parts, 0, shard, unit.shard_grad, /*add=*/!fresh);
+      unit.has_grad = true;
+      continue;
+    }
+    // In pieces: each piece's buffers live while it is reduced and (offload) copied down, and a
+    // piece waits for the one two before it to be done, so a unit as large as a 6,000,000-class
+    // head takes a few pieces' memory beside its gradient, not several copies of it.
+    const int64_t piece = std::clamp<int64_t>(options_.piece_kib * 1024 / reduced_element(), 1, shard);
+    std::deque<device::Event> pieces_done;
+    for (int64_t lo = 0; lo < shard; lo += piece) {
+      Reduction r;
+      r.unit = static_cast<int64_t>(u);
+      r.offset = lo;
+      r.length = std::min(piece, shard - lo);
+      r.fresh = fresh;
+      r.last = lo + r.length == shard;
+      if (w == 1) {
+        r.out = torch::empty({r.length}, reduce_options);  // copied down from here
+        fill_flat(parts, lo, r.length, r.out, /*add=*/false);
+      } else {
+        r.in = torch::empty({w * r.length}, reduce_options);
+        for (int64_t k = 0; k < w; ++k) fill_flat(parts, k * shard + lo, r.length, r.in.narrow(0, k * r.length, r.length), false);
+        const bool into_grad = fresh && !options_.offload && config_.precision.reduce == torch::kFloat;
+        r.out = into_grad ? unit.shard_grad.narrow(0, lo, r.length) : torch::empty({r.length}, reduce_options);
+        r.work = group_->reduce_scatter(r.out, r.in);
+        count_reduction(w * r.length);
+      }
+      const bool whole = r.last && lo == 0;
+      reducing_.push_back(std::move(r));
+      unit.has_grad = true;  // once its first piece is under way (a failed step undoes it: train_step)
+      if (whole) break;  // one piece: waited for one block later, as any unit's
+      // Everything launched before this piece goes on its way now (another unit's reduction ahead
+      // of this one's pieces too); the piece before the last must be done before the next piece's
+      // buffers are allocated.
+      while (reducing_.size() > 1) {
+        finish_reduction(reducing_.front());
+        if (reducing_.front().unit == static_cast<int64_t>(u)) pieces_done.push_back(reducing_.front().done);
+        reducing_.pop_front();
+      }
+      while (pieces_done.size() > 1) {
+        pieces_done.front().synchronize();
+        pieces_done.pop_front();
+      }
+    }
   }
+}
+
+void Sharded::count_reduction(int64_t elements) {
+  const auto w = static_cast<double>(world_size());
+  // NCCL: a reduce-scatter. Gloo: an all-reduce, or for bf16 (which Gloo lacks) an all-gather of
+  // every rank's whole buffer.
+  const bool gloo_bf16 = group_->backend() != "nccl" && config_.precision.reduce == torch::kBFloat16;
+  count_collective(elements * reduced_element(), group_->backend() == "nccl" ? (w - 1) / w
+                                                 : gloo_bf16                 ? w - 1
+                                                                             : 2 * (w - 1) / w);
 }
 
 void Sharded::finish_reductions() {
-  auto units = std::move(reducing_);
-  reducing_.clear();
-  for (auto u : units) finish_reduction(units_[u]);
+  while (!reducing_.empty()) {
+    finish_reduction(reducing_.front());
+    reducing_.pop_front();
+  }
 }
 
-void Sharded::finish_reduction(Unit& unit) {
+void Sharded::finish_reduction(Reduction& r) {
   torch::NoGradGuard no_grad;
-  unit.reducing.wait();  // NCCL: the compute stream waits for it; Gloo: done when this returns
-  unit.grad_full = torch::Tensor();
-  const bool fresh = !unit.has_grad;
-  unit.has_grad = true;
+  r.work.wait();  // NCCL: the compute stream waits for it; Gloo: done when this returns
+  r.in = torch::Tensor();
+  auto& unit = units_[static_cast<size_t>(r.unit)];
+  auto target = unit.shard_grad.narrow(0, r.offset, r.length);
   if (offload_to_host()) {
     // Down on the copy stream, straight into the pinned gradient on a fresh step (else into a staging
-    // buffer that the host adds); the host applies the update once it has landed.
+    // buffer that the host adds); the host applies the update once the unit's last piece has landed.
     // A reduction narrower than fp32 is widened on the device first, in the compute stream's order.
-    auto down = unit.reduced.scalar_type() == torch::kFloat ? unit.reduced : unit.reduced.to(torch::kFloat);
+    auto down = r.out.scalar_type() == torch::kFloat ? r.out : r.out.to(torch::kFloat);
     d2h_->wait(device::Stream::compute(device_).record());
-    auto staging = fresh ? torch::Tensor() : device::host_buffer({unit.shard_numel}, torch::kFloat, device_);
-    d2h_->copy(fresh ? unit.shard_grad : staging, down);
+    auto staging = r.fresh ? torch::Tensor() : device::host_buffer({r.length}, torch::kFloat, device_);
+    d2h_->copy(r.fresh ? target : staging, down);
     d2h_->keep_alive(down);
-    bytes_d2h_ += unit.shard_numel * static_cast<int64_t>(sizeof(float));
-    host_->submit([this, landed = d2h_->record(), staging, &unit] {
+    bytes_d2h_ += r.length * static_cast<int64_t>(sizeof(float));
+    r.done = d2h_->record();
+    host_->submit([this, landed = r.done, staging, target, last = r.last, &unit] {
       landed.synchronize();
       if (staging.defined()) {
         device::TimeInto timed(host_update_ns_);  // a sum the update needs (Stats::host_update_ms)
-        unit.shard_grad.add_(staging);
+        target.add_(staging);
       }
-      if (options_.overlap_optimizer) update_shard(unit);
+      if (last && options_.overlap_optimizer) update_shard(unit);
     });
   } else {
-    if (!unit.reduced.is_same(unit.shard_grad)) {
-      if (!unit.shard_grad.defined())  // a fresh step with a narrower reduction: widened here
-        unit.shard_grad = unit.reduced.to(torch::kFloat);
-      else if (fresh)
-        unit.shard_grad.copy_(unit.reduced);
+    if (r.out.data_ptr() != target.data_ptr()) {
+      if (r.fresh)
+        target.copy_(r.out);
       else
-        unit.shard_grad.add_(unit.reduced);
+        target.add_(r.out);
     }
-    if (options_.overlap_optimizer) update_shard(unit);
+    r.done = device::Stream::compute(device_).record();
   }
-  unit.reduced = torch::Tensor();
+  r.out = torch::Tensor();
 }
 
 void Sharded::finish_pending() {
@@ -407,9 +551,17 @@ double Sharded::train_step(const models::Batch& batch) {
   step_blocks_ = 0;
   if (options_.overlap_optimizer) step_in_flight_ = true;
   auto clean_up = [&] {
-    for (int64_t b = 0; b < m.num_blocks(); ++b) drop_window(b);
     for (auto& kept : kept_) kept = {};
     anchor_.mutable_grad() = torch::Tensor();
+    std::exception_ptr failed;  // every window dropped, whatever one of them throws
+    for (int64_t b = 0; b < m.num_blocks(); ++b) {
+      try {
+        drop_window(b);
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (failed) std::rethrow_exception(failed);
   };
   double local = 0.0;
   try {
@@ -424,20 +576,26 @@ double Sharded::train_step(const models::Batch& batch) {
     scaler_.scaled(loss).backward();  // fp16: the scale rides the gradients
     finish_reductions();
     clean_up();
+    agree_on_buffers();
     local = loss.item<double>();
   } catch (...) {
-    clean_up();
     // Reductions already started are waited for (their buffers are in use) and dropped; what has
     // reached the shards' gradients stays (as autograd's .grad would keep it), and a failed step
-    // leaves no step in flight.
-    reducing_.clear();
-    for (auto& unit : units_) {
+    // leaves no step in flight. Every part of this runs whatever the others throw: the step's own
+    // error is the one to report.
+    for (auto& r : reducing_) {
       try {
-        unit.reducing.wait();
+        r.work.wait();
       } catch (...) {  // the step's own error is the one to report
       }
-      unit.reduced = torch::Tensor();
-      unit.grad_full = torch::Tensor();
+      // A unit whose first gradient of the step did not arrive whole has none.
+      if (r.fresh) units_[static_cast<size_t>(r.unit)].has_grad = false;
+    }
+    reducing_.clear();
+    for (auto& unit : units_) unit.grad_full = torch::Tensor();
+    try {
+      clean_up();
+    } catch (...) {
     }
     try {
       finish_pending();
@@ -467,7 +625,18 @@ torch::Tensor Sharded::forward(const torch::Tensor& input) {
     x = m.blocks()[b]->forward(x);
     drop_window(b);
   }
+  agree_on_buffers();
   return x;
+}
+
+void Sharded::agree_on_buffers() {
+  if (world_size() <= 1) return;
+  const auto w = static_cast<double>(world_size());
+  for (const auto& b : model().buffers()) {
+    if (b.tensor.numel() == 0) continue;
+    group_->broadcast(b.tensor, 0).wait();
+    count_collective(static_cast<int64_t>(b.tensor.nbytes()), (w - 1) / w);
+  }
 }
 
 void Sharded::optimizer_step() {
@@ -576,6 +745,7 @@ static const OptionDocumenter sharded_docs(
      {"reshard_after_forward", "0/1", "free gathered units after forward, gather them again in backward"},
      {"offload", "0/1", "shards, gradients and optimizer state in pinned host memory"},
      {"overlap_optimizer", "0/1 (default: as offload)", "with offload: each unit updated on the host during backward"},
+     {"piece_kib", "1..", "a unit one block uses is reduced (with offload: copied down) in pieces of at most this many KiB of each rank's shard"},
      {"debug_poison", "0/1", "every gathered buffer filled with NaN before its collective", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its collectives (a deliberate bug)", true},
      {"debug_fail_rank", "a rank, or -1", "this rank throws in its forward (the fault tests)", true}});

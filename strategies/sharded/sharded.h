@@ -8,17 +8,23 @@
 // the block (or keeps its activations) and reduce-scatters each unit's gradient as soon as its last
 // use is done, while the next block's backward runs. Each rank is handed the global batch, runs its
 // own slice of it, and weighs its loss by its share of the batch's targets, so the result is the
-// whole batch's mean whatever the split.
+// whole batch's mean whatever the split. Buffers (BatchNorm's running statistics) are rank 0's on
+// every rank after each forward, as DDP's default keeps them (agree_on_buffers).
 //
 // A unit's reduce-scatter is waited for one block later (when the next block's gradients are
-// flushed), so it overlaps that block's backward and its full-size gradient buffer lives only that
-// long; on a fresh step it reduces straight into the shard's gradient.
+// flushed), so it overlaps that block's backward; on a fresh step it reduces straight into the
+// shard's gradient. A unit larger than piece_kib goes in pieces, each taking the same range of
+// every rank's shard, a piece waiting for the one two before it: its reduction needs a few pieces'
+// memory beside the block's own gradient. A gather is in place (this rank's slot of the gathered
+// buffer is its source). In a world of one nothing crosses a process: an fp32 unit on the device
+// is its shard (the parameters view it), and gradients go straight into the shard's.
 //
 // sharded_offload keeps shards, their gradients and the optimizer state in pinned host memory and
 // steps the optimizer there (the ZeRO-Offload / FSDP CPUOffloadPolicy arrangement). On CUDA a shard
 // is copied to the device on a copy stream just before its gather (overlapping the block computing),
 // a reduced gradient goes back on another, and, by default (overlap_optimizer=1), the host updates
-// each unit as soon as its gradient has landed, while backward goes on.
+// each unit as soon as its gradient has landed, while backward goes on. On the CPU the same path
+// runs with worker threads as the copy streams.
 //
 // Mixed precision (StrategyConfig::precision): shards and optimizer state stay fp32; units are
 // gathered in the compute dtype (the transfer dtype, which must equal it here), so the blocks
@@ -26,6 +32,7 @@
 // fp32 shard gradients. sharded_offload keeps a pinned compute-dtype copy of each shard beside it,
 // refreshed by each host update, so the shards go up at half the bytes under bf16. fp16 scales the
 // loss; a step with an inf or nan gradient on any rank is skipped on every rank.
+#include <deque>
 #include <optional>
 
 #include "strategies/device/device.h"
@@ -42,6 +49,8 @@ struct ShardedOptions {
   bool offload = false;                ///< shards, gradients and optimizer state in pinned host memory
   bool overlap_optimizer = false;      ///< offload: update each unit on the host during backward
                                        ///< (default with offload; refuses gradient accumulation)
+  int64_t piece_kib = 256 * 1024;      ///< a unit one block uses is reduced in pieces of at most this
+                                       ///< many KiB of each rank's shard
   bool debug_poison = false;           ///< fill every gathered buffer with NaN first (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for gathers: a deliberate bug (tests)
   int64_t debug_fail_rank = -1;        ///< this rank throws in the second block's forward (fault tests)
@@ -90,6 +99,19 @@ class Sharded : public Strategy, public WindowedRunner {
 
  private:
   struct Unit;
+  // One reduction in flight: elements [offset, offset + length) of a unit's shard. A unit's gradient
+  // goes as one (a shared unit's summed grad_full) or in pieces of at most piece_kib (a unit one
+  // block uses), each piece taking the same range of every rank's shard.
+  struct Reduction {
+    int64_t unit = 0;
+    int64_t offset = 0, length = 0;
+    bool fresh = false;        ///< the unit's first gradient since the last optimizer step: written, not added
+    bool last = false;         ///< the unit's last piece of this step (overlap_optimizer: then its update)
+    torch::Tensor in;          ///< [world x length] every rank's range, in rank order (the collective's scratch)
+    torch::Tensor out;         ///< [length] this rank's sum (a range of shard_grad itself where it can be)
+    distributed::Work work;
+    device::Event done;        ///< its result is where it goes (offload: landed on the host)
+  };
   void gather(Unit& unit);
   void release(Unit& unit);
   void hold_window(int64_t block);
@@ -98,11 +120,20 @@ class Sharded : public Strategy, public WindowedRunner {
   /// Waits for the reduce-scatters launched so far and adds each result to its shard's gradient
   /// (offload on CUDA: sends it to the host, where it is added and, with overlap_optimizer, applied).
   void finish_reductions();
-  void finish_reduction(Unit& unit);
+  void finish_reduction(Reduction& r);
+  /// Counts a reduction of `elements` (every rank's part) as the group's backend moves it.
+  void count_reduction(int64_t elements);
   /// Everything queued on the host and the copy streams (offload) has run.
   void finish_pending();
   void update_shard(Unit& unit);
-  bool offload_to_host() const { return options_.offload && !device_.is_cpu(); }
+  /// Buffers as DDP keeps them (its broadcast_buffers default): every rank takes rank 0's after
+  /// each forward (rank 0's are what its own slice left), so the next forward starts from them on
+  /// every rank and buffers() is the same everywhere.
+  void agree_on_buffers();
+  /// Offload's host path: shards up and gradients down on copy streams, the host's sums and
+  /// updates on its queue. On the CPU too, where the copy streams are worker threads, so that the
+  /// CPU's tests run the path a GPU runs (with the device layer's delays).
+  bool offload_to_host() const { return options_.offload; }
   /// A full tensor assembled from every rank's slice `part` of `unit` (a shard or its gradient).
   torch::Tensor gather_full(const Unit& unit, const torch::Tensor& part);
   NamedTensors full_tensors(bool grads);
@@ -117,7 +148,7 @@ class Sharded : public Strategy, public WindowedRunner {
   std::string name_;
   StrategyConfig config_;
   ShardedOptions options_;
-  torch::Device device_;                  ///< compute device: cuda:LOCAL_RANK in a launched CUDA run
+  torch::Device device_;                  ///< compute device: distributed::rank_device(config.device)
   std::shared_ptr<distributed::Group> group_;
   std::optional<models::BlockModel> model_;
   std::vector<Unit> units_;
@@ -127,7 +158,7 @@ class Sharded : public Strategy, public WindowedRunner {
   std::vector<KeptGraph> kept_;
   LossScaler scaler_;
   torch::Tensor anchor_;
-  std::vector<int64_t> reducing_;            ///< units whose reduce-scatter is in flight, in launch order
+  std::deque<Reduction> reducing_;           ///< reductions in flight, in launch order
   std::optional<device::Stream> h2d_, d2h_;  ///< offload on CUDA: shards up, gradients down
   std::optional<device::HostQueue> host_;    ///< offload on CUDA: landed gradients added and applied
   bool step_in_flight_ = false;              ///< overlap_optimizer: a train_step awaits optimizer_step
