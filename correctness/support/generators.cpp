@@ -197,15 +197,25 @@ rc::Gen<Options> manual_split_options(const ModelShape& shape, const std::vector
   });
 }
 
-// sharded: prefetch depth, activations kept or recomputed, resharding after forward or not.
-rc::Gen<Options> sharded_options(const ModelShape&, const std::vector<std::string>&) {
-  return rc::gen::apply(
-      [](int prefetch, bool keep, bool reshard) {
-        return Options{{"prefetch", std::to_string(prefetch)},
-                       {"activations", keep ? "keep" : "recompute"},
-                       {"reshard_after_forward", reshard ? "1" : "0"}};
-      },
-      uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>());
+// sharded: prefetch depth, activations kept or recomputed, resharding after forward or not, and
+// the host's part: `sharded` draws offload (0 or 1), `sharded_offload` keeps its own (1); with
+// offload, the host optimizer overlapped with backward (1) or run in optimizer_step (0, which
+// accumulates gradients); a third of the cases reduce in pieces of 1 KiB.
+OptionsGenerator sharded_options(bool draw_offload) {
+  return [draw_offload](const ModelShape&, const std::vector<std::string>&) {
+    return rc::gen::apply(
+        [draw_offload](int prefetch, bool keep, bool reshard, bool offload, bool overlap, bool pieces) {
+          Options o{{"prefetch", std::to_string(prefetch)},
+                    {"activations", keep ? "keep" : "recompute"},
+                    {"reshard_after_forward", reshard ? "1" : "0"}};
+          if (draw_offload) o["offload"] = offload ? "1" : "0";
+          if (!draw_offload || offload) o["overlap_optimizer"] = overlap ? "1" : "0";
+          if (pieces) o["piece_kib"] = "1";  // the smallest pieces: a preset's blocks reduce in several
+          return o;
+        },
+        uniform(0, 4), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(), rc::gen::arbitrary<bool>(),
+        rc::gen::arbitrary<bool>(), rc::gen::weightedOneOf<bool>({{2, rc::gen::just(false)}, {1, rc::gen::just(true)}}));
+  };
 }
 
 // pipeline: 1 to 3 ranks on the test's devices (the stages a model of `blocks` can fill), 1 to 5
@@ -324,17 +334,23 @@ rc::Gen<Options> custom_pipeline_options(const ModelShape& shape, const std::vec
 
 const std::map<std::string, StrategyTraits>& strategy_traits() {
   static const std::map<std::string, StrategyTraits> all = {
-      {"hook_offload", {hook_offload_options(true, true), {}, false, {}}},
-      {"hook_offload_overlap", {hook_offload_options(true, false), {}, false, {}}},
-      {"hook_offload_sync", {hook_offload_options(false, false), {}, false, {}}},
-      {"manual_split", {manual_split_options, {}, false, {}}},
-      {"sharded", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},
-      {"sharded_offload", {sharded_options, {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {}}},
-      {"pipeline_gpipe", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
-      {"pipeline_1f1b", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
-      {"pipeline_interleaved", {pipeline_options(true), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
-      {"pipeline_zero_bubble", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
-      {"pipeline_custom", {custom_pipeline_options, {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches}},
+      {"hook_offload", {hook_offload_options(true, true), {}, false, {}, {}}},
+      {"hook_offload_overlap", {hook_offload_options(true, false), {}, false, {}, {}}},
+      {"hook_offload_sync", {hook_offload_options(false, false), {}, false, {}, {}}},
+      {"manual_split", {manual_split_options, {}, false, {}, {}}},
+      {"sharded", {sharded_options(true), {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {},
+                   {{"prefetch", {"0", "1", "2", "3"}}, {"activations", {"keep", "recompute"}},
+                    {"reshard_after_forward", {"0", "1"}}, {"offload", {"0", "1"}}, {"overlap_optimizer", {"0", "1"}},
+                    {"piece_kib", {"1"}}}}},
+      {"sharded_offload", {sharded_options(false), {/*batch_coupled_blocks=*/false}, /*data_parallel=*/true, {},
+                           {{"prefetch", {"0", "1", "2", "3"}}, {"activations", {"keep", "recompute"}},
+                            {"reshard_after_forward", {"0", "1"}}, {"overlap_optimizer", {"0", "1"}},
+                            {"piece_kib", {"1"}}}}},
+      {"pipeline_gpipe", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches, {}}},
+      {"pipeline_1f1b", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches, {}}},
+      {"pipeline_interleaved", {pipeline_options(true), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches, {}}},
+      {"pipeline_zero_bubble", {pipeline_options(false), {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches, {}}},
+      {"pipeline_custom", {custom_pipeline_options, {/*batch_coupled_blocks=*/false}, false, pipeline_micro_batches, {}}},
   };
   return all;
 }

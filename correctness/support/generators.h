@@ -51,6 +51,9 @@ struct StrategyTraits {
   /// Splits the batch into micro-batches (a pipeline): their count under the drawn options, the
   /// least batch those options accept. Unset for a strategy that runs the batch whole.
   std::function<int(const Options&)> micro_batches;
+  /// Option values the property must have drawn, each at least once, in a run of 25 cases or more
+  /// (CI's fixed-seed run among them): key -> values.
+  std::map<std::string, std::vector<std::string>> must_reach;
 };
 /// Strategy name -> its traits; a strategy with options or limits adds itself here.
 const std::map<std::string, StrategyTraits>& strategy_traits();

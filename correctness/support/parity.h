@@ -91,6 +91,13 @@ struct ParityCase {
   int steps = 3;                              ///< optimizer steps, each after one train_step
   bool ignore_targets = false;                ///< about a third of the targets are kIgnoreIndex (never all)
   std::map<std::string, std::string> options; ///< the strategy's own options
+  /// The order a trainer calls the strategy in: train_step (each accumulated batch), optimizer_step,
+  /// then parameters() and buffers(), nothing read between. The default order reads gradients()
+  /// and buffers() before each optimizer_step, and gradients() waits for the gradients in flight,
+  /// so a strategy whose optimizer_step forgets that wait passes it; this order catches it (with
+  /// the device layer's delays injected, where the copies run late). Gradients are then not
+  /// compared: their bounds, from the references alone, still bound the parameters.
+  bool trainer_order = false;
   /// The strategy and the baselines B_k train under it (the float64 reference does not): its
   /// compute dtype's unit roundoff replaces fp32's in the bound, and each B_k moves every
   /// parameter by one ulp of that dtype, so the B_k measure its rounding. Default fp32.

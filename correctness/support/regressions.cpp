@@ -61,10 +61,12 @@ void append_regression(const std::string& path, const std::string& strategy, con
 }
 
 bool check_property(const std::string& strategy, const std::string& description, const torch::Device& device,
-                    const std::function<rc::Gen<ParityCase>()>& gen, bool record) {
+                    const std::function<rc::Gen<ParityCase>()>& gen, bool record,
+                    const std::function<void(const ParityCase&)>& drawn) {
   std::optional<std::pair<ParityCase, std::string>> last_failure;
   const bool ok = rc::check(description, [&] {
     const auto c = *gen();
+    if (drawn) drawn(c);
     RC_TAG(c.chain ? std::string("chain") : models::to_string(c.model.kind));
     const auto r = check_parity(strategy, c, device);
     if (!r.ok) {

@@ -36,7 +36,9 @@ std::string failures_file();
 /// device). Where it fails and `record` holds, the shrunk case and its message are appended to
 /// failures_file() (when set), for CI to replay once committed. `record`: false where a case
 /// cannot be replayed in one process (a property run over several ranks).
+/// `drawn`, when given, sees every case the property checks (a coverage count, say).
 bool check_property(const std::string& strategy, const std::string& description, const torch::Device& device,
-                    const std::function<rc::Gen<ParityCase>()>& gen, bool record = true);
+                    const std::function<rc::Gen<ParityCase>()>& gen, bool record = true,
+                    const std::function<void(const ParityCase&)>& drawn = {});
 
 }  // namespace strata::correctness

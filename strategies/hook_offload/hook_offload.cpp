@@ -53,6 +53,7 @@ HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::st
   o.debug_poison = reader.get_bool("debug_poison", o.debug_poison);
   o.debug_skip_waits = reader.get_bool("debug_skip_waits", o.debug_skip_waits);
   o.debug_release_late = reader.get_bool("debug_release_late", o.debug_release_late);
+  o.debug_step_unwaited = reader.get_bool("debug_step_unwaited", o.debug_step_unwaited);
   reader.finish();
   o.validate();
   return o;
@@ -1380,7 +1381,7 @@ void HookOffload::optimizer_step() {
       failed_update = std::current_exception();
     }
   } else {
-    finish_pending();
+    if (!options_.debug_step_unwaited) finish_pending();
     h2d_.synchronize();  // no fetch may still be reading a host buffer the update writes
     // fp16: the gradients carry the loss scale; a step with an inf or nan in any is skipped.
     std::vector<torch::Tensor> grads;
@@ -1606,7 +1607,8 @@ static const OptionDocumenter hook_offload_docs(
       "its update (in_order)"},
      {"debug_poison", "0/1", "every fetched buffer filled with NaN before its copy", true},
      {"debug_skip_waits", "0/1", "compute does not wait for its fetches (a deliberate bug)", true},
-     {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true}});
+     {"debug_release_late", "0/1", "each window dropped one block late (a deliberate bug)", true},
+     {"debug_step_unwaited", "0/1", "optimizer_step does not wait for the gradients in flight (a deliberate bug)", true}});
 
 STRATA_REGISTER_STRATEGY("hook_offload",
                          "parameters in pinned host memory, streamed block by block with prefetch; host optimizer",

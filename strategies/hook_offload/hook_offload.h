@@ -139,6 +139,8 @@ struct HookOffloadOptions {
   bool debug_poison = false;           ///< fill every fetched buffer with NaN before the copy (tests)
   bool debug_skip_waits = false;       ///< compute does not wait for fetches: a deliberate bug (tests)
   bool debug_release_late = false;     ///< each window is dropped one block late: a deliberate bug (tests)
+  bool debug_step_unwaited = false;    ///< optimizer_step does not wait for the gradients in flight: a
+                                       ///< deliberate bug (tests)
 
   static HookOffloadOptions parse(const std::map<std::string, std::string>& options);
   void validate() const;
