@@ -1,54 +1,13 @@
 #!/usr/bin/env bash
-# The GPU-runner job: build with CUDA, run the whole correctness suite (labels cpu, cuda, multigpu),
-# run the benchmark matrix (fp32, and bf16 for the strategies that train in it) and PyTorch's peers,
-# write the reports, and gate the run against the
-# committed baseline for this GPU model (reports/baselines/<gpu>.json; thresholds in ci/gate.py and
-# bench/METRICS.md). The gate is also shown to pass on the run itself and to fail on a doctored
-# copy, so a broken gate cannot pass silently.
+# The GPU-runner job: build with CUDA, run the whole correctness suite, run the benchmark matrix
+# (fp32 and bf16) and PyTorch's peers, write the reports under OUTDIR, and gate the run against the
+# committed baseline for this GPU model (reports/baselines/<gpu>.json). The exit status is non-zero
+# when anything fails, the gate included.
 #
 #   ci/gpu.sh [OUTDIR]        (default build/cuda/results)
 #
-# Needs a CUDA LibTorch and the test libraries (GoogleTest, rapidcheck, Google Benchmark) on
-# CMAKE_PREFIX_PATH; the LibTorch inside python3's torch is added when present.
-# Environment: STRATA_GPU_PHASES (default suite,bench: the test suite, then benchmarks, peers, report
-# and gate; either alone for a run split over two sessions of one build; `matrix` alone runs only
-# the fp32 matrix and its peers into OUTDIR, and a later run of `bench` alone into the same OUTDIR
-# takes them from there once (same settings and code, no rebuild since; STRATA_REUSE_MATRIX=1: a
-# rebuild of the same code too, as on a fresh machine after the first was lost) and runs the
-# rest, so the benchmarks too can be split over two sessions; `gate` alone gates the run a bench
-# phase left in OUTDIR again, measuring failing cells again, and nothing else),
-# STRATA_BF16_STRATEGIES (the bf16 cells; default the strategies that train in bf16),
-# STRATA_BENCH_ARGS (extra strata_bench arguments), STRATA_BENCH_REPS (repetitions of
-# every cell, default 5: the gate's thresholds come from their spread), STRATA_ALLOW_NO_BASELINE=1
-# (a machine without a committed baseline passes, and its report says so), STRATA_PEERS_MODEL (default
-# gpt-871m; also the model of torch.distributed.pipelining's interleaved and ZBV peers, which run
-# on one rank in both precisions), STRATA_MORE_PEER_MODELS (presets whose plain and checkpointed PyTorch peers also run,
-# default gpt-medium; empty for none), STRATA_OFFLOAD_PY (seed 003's offload.py, default ../shared/seeds/offload.py),
-# STRATA_RECHECK_CELLS (cells that failed the gate on time alone measured again, each by itself, and
-# gated on that reading, at most this many; default 8, 0 for none),
-# STRATA_REFERENCE (default 1; 0: the cells measured again are not also measured beside the
-# baseline's own code), STRATA_RECHECK_ROUNDS (processes of each binary per cell measured beside the
-# baseline's code, default 4; ci/gate.py pairs none with fewer than 3), STRATA_RECHECK_BUDGET_S (whole
-# seconds the cells measured again may take, the baseline's code's build included, overrun by at
-# most one process; they go cheapest first, and a cell that would end past the budget keeps its
-# failure, with every cell after it, noted in gate.txt; default none: a GPU job with a time limit
-# sets it below that limit by the costliest process, ~35 s on one H200), STRATA_REFERENCE_SRC (the
-# sources of the baseline's commit, for a machine without the repository's history: a clean git
-# checkout of it, or a folder with a .strata-commit file naming it, relative to the repository's
-# root; default: that commit, as the baseline's context names it (strata_commit), taken from git), STRATA_COMMIT (the
-# commit this run's code is, recorded in bench-gated.json's context; default git's HEAD, with
-# -dirty where the checkout has any change),
-# STRATA_PROMOTE (1: a run that passes the gate, in a job nothing failed in before it, is written over
-# the baseline where ci/gate.py --promote allows it; the job fails where it does not, and where
-# there is no baseline),
-# STRATA_WIDE_CLASSES (with two or more GPUs: the class count of seed 000's model that the
-# baseline cannot train on one GPU; default 8,250,000, above the 7,968,750 one H200 trains).
-#
-# With two or more GPUs the matrix gains cells over cuda:0 and cuda:1 (manual_split of the GPT;
-# seed 000's BERT with its classifier on the second GPU, at 6M classes and at a count one GPU
-# cannot train; the classifier column-split over both) and the machine's key becomes
-# <gpu>-x<count>, so its baseline and report are its own; the sharded strategy runs over every GPU
-# as ranks of strategies/distributed/launch.py, beside PyTorch's DDP and FSDP2 under torchrun.
+# What it needs, what it writes, the STRATA_* settings and what changes with two or more GPUs:
+# ci/README.md, the one place they are documented.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 outdir=$(realpath -m "${1:-build/cuda/results}")
@@ -180,8 +139,8 @@ more_peers_bf16+="; $pp_peers --precision=bf16"
 # them, then the command); a later run whose phases are `bench` alone takes them from there, once,
 # if its settings and code are the same and the benchmark binary is older than matrix.done (a
 # rebuild measures again). STRATA_REUSE_MATRIX=1 takes them after a rebuild too: the same code
-# built again, on a fresh machine after the first was taken back (OUTDIR carried over); the
-# reports then say that the two halves ran on two machines. Any other run measures afresh.
+# built again, e.g. on another machine (OUTDIR carried over); the reports then say that the two
+# halves ran on two machines. Any other run measures afresh.
 reuse=0 matrix_note="" bf16_note=""
 if [ "$phases" = bench ] && [ -f "$outdir/matrix.done" ]; then
   if [ "$(head -n 1 "$outdir/matrix.done")" != "$settings" ]; then

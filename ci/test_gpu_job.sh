@@ -145,7 +145,7 @@ job matrix || fail "the matrix phase exited non-zero"
 touch "$work/repo/build/cuda/bench/strata_bench"
 job bench || fail "the bench phase after a rebuild exited non-zero"
 grep -q "^strata_bench fp32$" "$work/calls" || fail "the bench phase reused a matrix older than the binary"
-# The same code built again (a fresh machine after the first was taken back): taken on request,
+# The same code built again (e.g. on another machine, OUTDIR carried over): taken on request,
 # and both reports say the halves ran apart.
 job matrix || fail "the matrix phase exited non-zero"
 touch "$work/repo/build/cuda/bench/strata_bench"
