@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements recorded in bench/NOTES.md, in one go: hook offload and the manual split on
+# A fixed set of GPU measurements, in one go: hook offload and the manual split on
 # the seed-003 GPT, streaming inference, and seed 000's BERT + wide classifier.
 #
 #   bench/measure.sh BUILD_DIR OUTFILE        (e.g. bench/measure.sh build/cuda results.txt)
@@ -17,8 +17,8 @@ run --model=gpt-871m --batch=1 --steps=5 --inference --strategies=baseline,hook_
 # Seed 000: backbone and classifier as two stages (automatic balance puts the classifier alone).
 run --model=bert-base-6m --batch=8 --steps=4 --strategies=baseline,manual_split
 run --model=bert-base-6m --batch=8 --steps=4 --strategies=manual_split --options='classifier_shards=2'
-# The largest class count the baseline trains with AdamW on one GPU (bisection; measured 7,968,750
-# on an H200), then the baseline and the column split at that count.
+# The largest class count the baseline trains with AdamW on one GPU (bisection;
+# bench/notes/bert-wide-classifier.md), then the baseline and the column split at that count.
 bash "$(dirname "$0")/max_classes.sh" "$1" 6000000 9000000 125000 --device=cuda:0 --model=bert-base-6m --batch=8 \
   --steps=2 --strategies=baseline 2>&1 | tee -a "$out"
 largest=$(grep -oE "largest that trains: [0-9]+" "$out" | tail -n 1 | grep -oE "[0-9]+$")

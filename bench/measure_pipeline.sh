@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pipeline's measurements of bench/NOTES.md, on a machine with two or more GPUs:
+# The pipeline's measurements, on a machine with two or more GPUs:
 #  1. every schedule over the GPUs as processes (the c10d transport; strategies/distributed/launch.py),
 #     gpt-871m, global batch 8 in 8 micro-batches, each action timed so the report has the
 #     simulator's ideal beside the measured step; 1F1B also at 4 and 16 micro-batches;

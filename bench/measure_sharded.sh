@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The sharded strategy's measurements of bench/NOTES.md, on a machine with two or more GPUs:
+# The sharded strategy's measurements (bench/notes/sharded-two-ranks.md), on a machine with two or
+# more GPUs:
 #  1. sharded (recompute and kept activations) and sharded_offload over the GPUs, gpt-871m, global
 #     batch 8, as ranks of strategies/distributed/launch.py (times: the slowest rank; peaks per rank);
 #  2. the machinery's own cost: sharded in a world of one beside baseline_checkpoint on one GPU;

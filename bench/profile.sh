@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Kernel-level comparison of strata's one-GPU steps with PyTorch's (bench/NOTES.md, "Reference
-# speed"): strata_compare times baseline, baseline_checkpoint and hook_offload and records one
+# Kernel-level comparison of strata's one-GPU steps with PyTorch's (bench/notes/reference-speed.md):
+# strata_compare times baseline, baseline_checkpoint and hook_offload and records one
 # forward+backward of each with LibTorch's profiler; bench/peers.py does the same for PyTorch's
 # plain and checkpointed model with torch.profiler; bench/kernel_table.py puts each strata trace
 # beside its PyTorch counterpart (GPU busy time, kernels by class, top kernels).

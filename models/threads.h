@@ -181,12 +181,11 @@ class ChunkWorkers {
 /// most), in up to sixteen chunks a thread (of at least 2^16 items), taken in turn: a thread that
 /// loses its core for a while (to a thread spinning on the device, say) delays a sixteenth of its
 /// share rather than the whole call, and the call's end waits for at most one small chunk on the
-/// thread that took the last one. (Against four chunks a thread of at least 2^18, an AdamW pass
-/// over 50 M elements ran 6-7% faster whole and 8-11% faster in 4 or 8 calls on a 16-core H200
-/// host, paired: bench/NOTES.md, "The overlapped updates in pieces".)
+/// thread that took the last one. (Fewer, larger chunks left more of each call's end to one thread
+/// while the others idled: bench/notes/host-update-chunks.md.)
 /// The calling thread takes chunks too; the others are ChunkWorkers'. std::thread rather than
 /// at::parallel_for: the latter is an OpenMP pragma in a header, and serial in any translation
-/// unit not compiled with -fopenmp (measured: 3.4 s for one AdamW step over 871M parameters).
+/// unit not compiled with -fopenmp (a host optimizer pass then runs on one core).
 template <typename F>
 void parallel_chunks(int64_t n, F fn) {
   constexpr int64_t kMinShare = 1 << 18, kMinChunk = 1 << 16;

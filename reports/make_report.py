@@ -8,6 +8,12 @@ PyTorch's own equivalents measured in the same run.
       [--machine "NVIDIA H200"] [--command "the command that produced the JSON"]
 
 Cells that spread over several devices get a table of peak memory per device.
+
+The README's tables of results are made from the committed reports' JSON, one table per machine
+(a folder's `-bf16` sibling joins it as columns; no matplotlib needed):
+
+  python3 reports/make_report.py --readme-table reports/h200     # prints the table
+  python3 reports/make_report.py --update-readme README.md       # rewrites every marked table
 """
 import argparse
 import json
@@ -15,11 +21,14 @@ import os
 import re
 import statistics
 
-import matplotlib
+try:  # the plots need matplotlib; --readme-table and --update-readme do not
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+except ImportError:
+    plt = None
 
 GIB = 1024 ** 3
 
@@ -117,7 +126,7 @@ def bar_chart(rows, models, value, ylabel, title, path, scale=1.0):
 
 
 # strata's steps against PyTorch's own, forward+backward, with the targets strata holds itself to
-# (bench/NOTES.md, "Reference speed"): a slower baseline would flatter every ratio built on it.
+# (bench/notes/reference-speed.md): a slower baseline would flatter every ratio built on it.
 # sharded at world size 1 beside FSDP2 at world size 1 has no target of its own yet (None): shown, not judged.
 # The pipelines beside torch.distributed.pipelining's schedules (a peer named with its settings,
 # "torch_pp_zbv[m=4;ranks=1]": on one GPU both its stages on one rank, as strata's ranks share it),
@@ -280,15 +289,105 @@ def reference_speed(rs, peers, triad, fastest=0.0):
     return out
 
 
+# The README's tables: one model, the seed's GPT of 871M parameters, which every machine's matrix
+# runs; a machine's bf16 folder ("reports/h200-bf16" beside "reports/h200") adds two columns.
+README_MODEL = "gpt-871m"
+README_OPEN = "<!-- generated: python3 reports/make_report.py --readme-table "
+README_CLOSE = "<!-- end of generated -->"
+
+
+def committed_rows(folder):
+    """The context and rows of a committed report folder: its bench.json and, if present, peers.json."""
+    context, rows = load(os.path.join(folder, "bench.json"), "strata")
+    peers = os.path.join(folder, "peers.json")
+    if os.path.exists(peers):
+        rows += load(peers, "peer")[1]
+    return context, rows
+
+
+def readme_table(folder):
+    """The README's table for the machine whose committed report is in `folder`, as lines: a line
+    naming the machine and linking its reports, then step time and peak allocated memory of every
+    cell of README_MODEL (strata's, then PyTorch's peers), in fp32 and, where `folder`-bf16
+    exists, in bf16. `folder` as the README names it, relative to the repository's root."""
+    folder = folder.rstrip("/")
+    root = readme_table.root
+    context, rows = committed_rows(os.path.join(root, folder))
+    bf16 = folder + "-bf16"
+    has_bf16 = os.path.exists(os.path.join(root, bf16, "bench.json"))
+    low = committed_rows(os.path.join(root, bf16))[1] if has_bf16 else []
+    name = os.path.basename(folder)
+    links = f"[report]({folder}/report.md)" + (f", [bf16 report]({bf16}/report.md)" if has_bf16 else "")
+    out = [f"**{name}**: {context.get('device_name', '?')}, host {context.get('host_cpu', '?')}, "
+           f"LibTorch {context.get('torch_version', '?')}, {str(context.get('date', ''))[:10]}; {links}", ""]
+    head = "| strategy | step ms | peak GiB |" + (" bf16 step ms | bf16 peak GiB |" if has_bf16 else "")
+    out += [head, "|---|" + "---:|" * (head.count("|") - 2)]
+
+    def cell(r):
+        if r is None:
+            return "— | — |"
+        if r["failed"]:
+            return f"{status(r)} | — |"
+        peak = r.get("peak_allocated_bytes")
+        return f"{r['real_time']:.1f} | {fmt(peak / GIB if peak else None, '.2f')} |"
+
+    def keyed(source, table):
+        return {plain(r["strategy"]): r for r in table if r["model"] == README_MODEL and r["source"] == source}
+
+    for source in ("strata", "peer"):
+        mine, theirs = keyed(source, rows), keyed(source, low)
+        for key in list(mine) + [k for k in theirs if k not in mine]:
+            label = f"`{key}`" + (" (PyTorch)" if source == "peer" else "")
+            out.append(f"| {label} | {cell(mine.get(key))}" + (f" {cell(theirs.get(key))}" if has_bf16 else ""))
+    return out + [""]  # a blank line ends the table before the closing mark
+
+
+readme_table.root = "."
+
+
+def readme_blocks(lines):
+    """(folder, first line, end line) of every generated table between README_OPEN and README_CLOSE."""
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.startswith(README_OPEN):
+            folder = line[len(README_OPEN):].split(" ")[0]
+            end = lines.index(README_CLOSE, i)
+            blocks.append((folder, i + 1, end))
+    return blocks
+
+
+def update_readme(path):
+    """Rewrites every generated table of the README at `path` from the committed JSON."""
+    readme_table.root = os.path.dirname(os.path.abspath(path))
+    lines = open(path).read().splitlines()
+    for folder, start, end in reversed(readme_blocks(lines)):
+        lines[start:end] = readme_table(folder)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"make_report.py: rewrote {len(readme_blocks(lines))} tables in {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--strata", required=True)
+    ap.add_argument("--strata")
     ap.add_argument("--peers")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--machine", default="")
     ap.add_argument("--command", default="")
     ap.add_argument("--note", default="", help="shown in bold under the header (e.g. that the run was not gated)")
+    ap.add_argument("--readme-table", metavar="FOLDER", help="print the README's table for a committed report folder")
+    ap.add_argument("--update-readme", metavar="README", help="rewrite the README's generated tables")
     args = ap.parse_args()
+    if args.readme_table:
+        print("\n".join(readme_table(args.readme_table)))
+        return
+    if args.update_readme:
+        update_readme(args.update_readme)
+        return
+    if not args.strata or not args.out:
+        ap.error("--strata and --out are needed to write a report")
+    if plt is None:
+        ap.error("writing a report needs matplotlib (Debian: python3-matplotlib)")
     os.makedirs(args.out, exist_ok=True)
     context, rows = load(args.strata, "strata")
     peer_context = {}

@@ -87,9 +87,9 @@ class Pipeline : public Strategy {
   /// was not, in the last train_step: the activations the stage held, counted as graphs kept.
   const std::vector<int>& peak_in_flight() const { return peak_in_flight_; }
   /// True when two or more of this process's ranks run on one device (stages sharing a GPU, each
-  /// rank on its own host thread). The device's allocator peak then probably depends on how those
-  /// threads interleave, not only on the schedule: bf16 peaks moved 10-11% between two hosts on
-  /// unchanged code (bench/NOTES.md; ci/gate.py allows such cells more room).
+  /// rank on its own host thread). The device's allocator peak then depends on how far those
+  /// threads run ahead of the device, not only on the schedule, so it moves with the host
+  /// (bench/notes/pipeline-shared-device-peaks.md; ci/gate.py allows such cells more room).
   bool ranks_share_a_device() const;
   /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
   double max_replica_drift();

@@ -1,7 +1,0 @@
-set -uo pipefail
-source out/g31-env.sh; lscpu | grep "Model name"; nproc; t0=$(date +%s)
-(cmake --preset cuda && cmake --build --preset cuda -j 16) > $OUT/build.log 2>&1 || { grep -E "error" -A5 $OUT/build.log | head -40; exit 1; }
-echo "built at $(( $(date +%s) - t0 )) s"
-ctest --preset cuda -L cuda -j 8 > $OUT/ctest-cuda.log 2>&1; rc=$?
-grep -E "tests passed|Failed|\*\*\*|Total Test" $OUT/ctest-cuda.log | tail -20
-echo "ctest rc=$rc at $(( $(date +%s) - t0 )) s"
