@@ -142,7 +142,7 @@ TEST_P(Parity, calls_before_attach_are_errors_that_say_so) {
 }
 
 TEST_P(Parity, every_option_is_documented_and_every_documented_option_exists) {
-  // Registry::options lists what the parser asks for; --list and the README's table print it with
+  // Registry::options lists what the parser asks for; --list and docs/options.md's table print it with
   // the documentation the strategy registers. Both must cover each other, and each listed default
   // must be a value the parser takes.
   const auto& name = GetParam();
@@ -1098,10 +1098,10 @@ TEST(Generators, hook_offload_options_cover_their_values_and_keep_each_variant_i
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_early") == 0; }), 0.4);
   // A block's gradients all at its backward's end, in parts during it, and as auto decides.
   for (const auto* v : {"0", "1"})
-    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.count("grads_early") && c.options.at("grads_early") == v; }),
+    EXPECT_GE(fraction(cases, [&](const ParityCase& c) { return c.options.count("grads_in_parts") && c.options.at("grads_in_parts") == v; }),
               0.1)
-        << "grads_early=" << v;
-  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("grads_early") == 0; }), 0.4);
+        << "grads_in_parts=" << v;
+  EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("grads_in_parts") == 0; }), 0.4);
   // The tied matrix's head gradient as one copy, in ranges, and as auto decides (8 in fp32, 1 in bf16).
   EXPECT_GE(fraction(cases, [](const ParityCase& c) { return c.options.count("tied_chunks") && c.options.at("tied_chunks") == "1"; }),
             0.1);

@@ -110,7 +110,7 @@ namespace {
 // tied matrix sent whole at its fetch (the default) or to the device during backward with only
 // its rows at the next fetch (tied_early=1), and the head's gradient of that matrix sent whole (1)
 // or in 2 to 8 row ranges, each stepped as it lands (tied_chunks; or auto: 8 in fp32, 1 in bf16);
-// a block's gradients sent in parts during its backward or all at its end (grads_early 1 or 0, or auto: 1 in fp32);
+// a block's gradients sent in parts during its backward or all at its end (grads_in_parts 1 or 0, or auto: 1 in fp32);
 // `with_prefetch` adds the prefetch depth (hook_offload_sync keeps its own default of 0 and fetches
 // on demand, which is what it is registered to test).
 OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
@@ -140,7 +140,7 @@ OptionsGenerator hook_offload_options(bool with_prefetch, bool with_opening) {
           if (lead >= 0) o["lead"] = std::to_string(lead);
           if (in_order) o["fetch_order"] = "in_order";
           if (early) o["tied_early"] = "1";
-          if (grads >= 0) o["grads_early"] = std::to_string(grads);  // 1 under bf16 too, where auto is 0
+          if (grads >= 0) o["grads_in_parts"] = std::to_string(grads);  // 1 under bf16 too, where auto is 0
           if (chunks >= 0) o["tied_chunks"] = std::to_string(chunks);
           return o;
         },
