@@ -16,6 +16,7 @@
 #include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
 #include "correctness/support/ranks.h"
+#include "correctness/support/strategy_peers.h"
 #include "correctness/support/test_device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/sharded/sharded.h"
@@ -128,7 +129,7 @@ TEST(Distributed, shards_are_all_that_stays_and_bytes_follow_the_analytic_count)
     ASSERT_EQ(stats.devices.size(), 1u);
     const auto& mem = stats.devices.begin()->second;
     const int64_t shards_on_device = offload ? 0 : shard_bytes;
-    EXPECT_EQ(s->gathered_bytes(), 0);
+    EXPECT_EQ(ShardedTestPeer(*s).gathered_bytes(), 0);
     EXPECT_EQ(mem.resident_param_bytes, shards_on_device) << "offload=" << offload;
     EXPECT_LE(mem.peak_param_bytes, shards_on_device + 2 * widest_window) << "offload=" << offload;
     EXPECT_GT(mem.peak_param_bytes, shards_on_device) << "offload=" << offload;

@@ -51,8 +51,6 @@ class ManualSplit : public Strategy {
   /// Stage devices and blocks per stage as resolved at attach().
   const std::vector<torch::Device>& stage_devices() const { return devices_; }
   const std::vector<int64_t>& balance() const { return balance_; }
-  /// Largest |replica - home| over all tied replicas (0 while they are in sync).
-  double max_replica_drift();
   /// For each block's parameters: the device of the tensor the block computes with.
   std::vector<std::pair<std::string, torch::Device>> placement();
 
@@ -87,6 +85,9 @@ class ManualSplit : public Strategy {
   void attach_model(models::BlockModel model) override;
 
  private:
+  friend class ManualSplitTestPeer;  // correctness/support/strategy_peers.h
+  /// Largest |replica - home| over all tied replicas (0 while they are in sync).
+  double max_replica_drift();
   /// x on `to`; bytes count as interconnect traffic only between different devices, when they move
   /// (an activation in forward, its gradient in backward).
   torch::Tensor transfer(const torch::Tensor& x, const torch::Device& to);

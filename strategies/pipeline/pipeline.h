@@ -91,8 +91,6 @@ class Pipeline : public Strategy {
   /// threads run ahead of the device, not only on the schedule, so it moves with the host
   /// (bench/notes/pipeline-shared-device-peaks.md; ci/gate.py allows such cells more room).
   bool ranks_share_a_device() const;
-  /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
-  double max_replica_drift();
   /// With time_actions: each stage's mean time per action kind in the last train_step (ms; every
   /// rank's stages, across processes too). The simulator's input for this schedule's ideal step.
   const pipeline::Costs& last_costs() const { return last_costs_; }
@@ -104,6 +102,9 @@ class Pipeline : public Strategy {
   void attach_model(models::BlockModel model) override;
 
  private:
+  friend class PipelineTestPeer;  // correctness/support/strategy_peers.h
+  /// Largest |replica - home| over all replicas of shared parameters (0 while in sync).
+  double max_replica_drift();
   struct Replica {
     int64_t param;
     torch::Tensor value;  ///< leaf on the stage's device, the home's values after each step

@@ -81,10 +81,6 @@ class Sharded : public Strategy, public WindowedRunner {
   int rank() const;
   int world_size() const override;
   int64_t batch_slices(int64_t batch_size) const override { return world_size(); }
-  /// Gathered parameter bytes on the device now (0 at rest: only shards remain).
-  int64_t gathered_bytes() const { return gathered_bytes_; }
-  /// This rank's rows [first, second) of a batch of `batch` samples.
-  std::pair<int64_t, int64_t> slice_of(int64_t batch) const;
 
   // WindowedRunner.
   models::BlockModel& model() override;
@@ -98,6 +94,9 @@ class Sharded : public Strategy, public WindowedRunner {
   void attach_model(models::BlockModel model) override;
 
  private:
+  friend class ShardedTestPeer;  // correctness/support/strategy_peers.h
+  /// This rank's rows [first, second) of a batch of `batch` samples.
+  std::pair<int64_t, int64_t> slice_of(int64_t batch) const;
   struct Unit;
   // One reduction in flight: elements [offset, offset + length) of a unit's shard. A unit's gradient
   // goes as one (a shared unit's summed grad_full) or in pieces of at most piece_kib (a unit one
