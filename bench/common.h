@@ -243,7 +243,7 @@ inline void print_list() {
   }
 }
 
-/// The options of every strategy as the README's Markdown table (`--list=markdown`): strategies
+/// The options of every strategy as docs/options.md's Markdown table (`--list=markdown`): strategies
 /// whose parser and documentation are the same share rows, and a default that differs between
 /// them names each one's.
 inline void print_options_markdown() {

@@ -69,7 +69,7 @@ constexpr const char* kUsage =
     "  --profile     one profiled forward+backward per strategy, as Chrome traces in DIR\n"
     "  --profile-steps  N whole steps profiled instead, back to back (forward+backward and optimizer step)\n"
     "  --list        strategies with their options and defaults, and the presets (=markdown: the\n"
-    "                options as the README's table)\n";
+    "                options as docs/options.md's table)\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -83,7 +83,7 @@ Args parse_args(int argc, char** argv) {
       bench::print_list();
       std::exit(0);
     }
-    if (arg == "--list=markdown") {  // the README's table of options
+    if (arg == "--list=markdown") {  // docs/options.md's table of options
       bench::print_options_markdown();
       std::exit(0);
     }

@@ -198,7 +198,7 @@ double measure_host_triad_gbps() {
 // writing a bf16 copy of each updated value as it goes (a bf16 run's travelling copy), at 30. The
 // triad shows the host's memory; this shows the loop itself, arithmetic included: the loop with the
 // bf16 copy once ran scalar at a quarter of the fp32 loop's rate, which no triad showed
-// (bench/NOTES.md, "The bf16 host pass, vectorized"). A cell's pass, over many tensors, reads below
+// (bench/notes/bf16-host-pass.md). A cell's pass, over many tensors, reads below
 // this. {fp32, with the bf16 copy}, in GB/s.
 std::pair<double, double> measure_host_pass_gbps() {
   const int64_t n = int64_t{1} << 25;
@@ -493,7 +493,7 @@ void run_cell(benchmark::State& state, const Settings& settings, const Cell& cel
     auto peaks = peaks_of(stats);
     // The probe once more, after this repetition's steps: a reading per repetition, taken while the
     // host was in the state those steps saw. The cell's one reading at its start has misled in
-    // both directions (bench/NOTES.md, "The first gate run with the dispatch rule armed"); these
+    // both directions (bench/notes/gate-dispatch.md); these
     // are recorded for choosing the gate's estimator, which does not read them yet.
     const double dispatch_after_us = measure_host_dispatch_us(dev);
     if (settings.ranks) {  // every rank's peak, named after its device

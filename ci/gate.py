@@ -28,7 +28,7 @@ A cell fails when
   1 / (1 + D x s), and the allowed drop is at most --max-dispatch-drop. A step of many small
   kernels (gpt-medium in bf16) runs at the host's speed: with unchanged code on their path such
   cells ran 0.61-0.87 x as fast on two later hosts as on the baseline's, and PyTorch's own bf16
-  gpt-medium steps 0.58-0.81 x (bench/NOTES.md); a step bound by its device has D near 0 and keeps
+  gpt-medium steps 0.58-0.81 x (bench/notes/gate-dispatch.md); a step bound by its device has D near 0 and keeps
   its bar. A faster host never raises a bar; the run then notes that the baseline's host was the
   slower;
 - the peak allocated memory of any of its devices rose more than --memory-rise; a pipeline cell
@@ -36,7 +36,7 @@ A cell fails when
   ranks_share_a_device = 1, cell named [precision=bf16] or fp16), is allowed
   --shared-device-memory-rise: such cells' peaks moved by 10-11% between two hosts on unchanged
   code (up to 15% with the code of the day), probably with how the threads interleave (fp32 twins
-  stayed within 1.1%; bench/NOTES.md).
+  stayed within 1.1%; bench/notes/pipeline-shared-device-peaks.md).
   Its micro-batches in flight (counter peak_in_flight, which the schedule alone decides) may not
   rise at all where both runs report them;
 - it ran in the baseline and is missing now, failed parity, errored, or ran out of memory now;
@@ -57,11 +57,11 @@ It fails where that ratio is below the bar of the committed baseline's spread an
 slower than the reference's beyond chance (one-sided Mann-Whitney over the processes' medians, p <=
 PAIR_ALPHA): processes of one binary on one host differ by more than the repetitions inside one.
 That answers "code or host" on a host of any speed, where a probe of the host only predicts it
-(bench/NOTES.md, "The gate against the baseline's own code"). --recheck-list names none where a
+(bench/notes/gate-recheck.md). --recheck-list names none where a
 failure of another kind stands. Work beside a cell only slows it, and on unchanged code two cells of
 one gate run read 0.854 and 0.849 x their baseline while the same cells, run again on the same host
-minutes later in short invocations of their own, read 1.05 and 1.26 x (bench/NOTES.md, "The first gate run with the dispatch rule
-armed"). A regression in the code reads slow in both.
+minutes later in short invocations of their own, read 1.05 and 1.26 x (bench/notes/gate-recheck.md).
+A regression in the code reads slow in both.
 
 With --promote PATH, a run that passes becomes the baseline (written to PATH, whole or not at all),
 unless: its context names no clean strata_commit (a later gate could not build its code to pair
@@ -141,7 +141,7 @@ def low_precision(cell):
 
 
 # Hosts that report the same CPU model and core count were measured at 59.8, 79.8 and 88.8 GB/s of
-# host triad on one day (bench/NOTES.md): the model string alone does not decide a host-bound cell.
+# host triad on one day (bench/notes/gate-thresholds.md): the model string alone does not decide a host-bound cell.
 HOST_TRIAD_TOLERANCE = 0.10
 
 
@@ -165,8 +165,8 @@ def same_host_class(a, b):
 
 # A slower reading counts only beyond this, and a faster one by more than this is noted (the bars
 # of cells bound by dispatching were then set on a slower host than this one). Three invocations
-# on one H200 host minutes apart read 4.02-4.03 us as their medians (bench/NOTES.md, "The first gate
-# run with the dispatch rule armed"); one gate run's half on that host read 5.13, a slow spell that
+# on one H200 host minutes apart read 4.02-4.03 us as their medians (bench/notes/gate-dispatch.md);
+# one gate run's half on that host read 5.13, a slow spell that
 # no tolerance covers and the second reading of a failing cell does.
 DISPATCH_TOLERANCE = 0.10
 
@@ -184,7 +184,7 @@ def dispatch_us(cells, context, precision="fp32"):
     (the baseline's ran on two hosts). The median, since it predicted the ratios of launch-bound
     cells to their baseline better than the fastest reading over the runs kept with probes (three
     H200 hosts; median error 7.5% against 14.9%), mostly through one slow host, whose two fast
-    readings made the fastest predict 0.82-0.87 x where its cells ran at 0.63-0.72 x (bench/NOTES.md,
+    readings made the fastest predict 0.82-0.87 x where its cells ran at 0.63-0.72 x (bench/notes/gate-dispatch.md,
     "The gate's dispatch reading, chosen by what it predicts", with its caveats)."""
     readings = [c["reps"][0].get("host_dispatch_us", 0) for n, c in cells.items()
                 if c["reps"] and precision_of(n) == precision]
@@ -274,7 +274,7 @@ def second_reading(name, outcome, again, base_rows, checks, now_us, base_us, arg
 # A cell measured beside the baseline's own code fails only where its processes are slower than the
 # reference's beyond chance at this level (one-sided Mann-Whitney over the processes' medians):
 # processes of one binary on one H200 host read up to 26% apart where repetitions within one read a
-# few % (bench/NOTES.md, "The gate against the baseline's own code"), so the repetitions' spread
+# few % (bench/notes/gate-recheck.md), so the repetitions' spread
 # does not say what a difference between processes means.
 PAIR_ALPHA = 0.05
 PAIR_MIN_PROCESSES = 3  # a side: 3 and 3 at best give 1/20 = PAIR_ALPHA, fewer on either side give more
@@ -381,8 +381,8 @@ def compare(now_cells, now_ctx, base_cells, base_ctx, args, recheck_cells=None, 
     label = (reference_ctx or {}).get("strata_reference") or "its commit"
     # Why a --recheck-reference file is not paired at all, or "". The pair ran alternately in one
     # job: the CPU model must match, not the triads, which moved from 64.6 to 81.1 GB/s between two
-    # processes on one H200 host minutes apart (bench/NOTES.md, "The gate against the baseline's own
-    # code"). And the reference must be the commit the baseline names: any other code (the run's
+    # processes on one H200 host minutes apart (bench/notes/gate-recheck.md
+    # ). And the reference must be the commit the baseline names: any other code (the run's
     # own, say) would make the ratio say nothing about the baseline.
     pair_refused = ""
     if reference_cells is not None:
@@ -530,7 +530,7 @@ def main(argv=None):
                     help="largest allowed throughput drop, however noisy the baseline (default 25%%)")
     ap.add_argument("--host-step-drop", type=float, default=0.25,
                     help="allowed throughput drop of a host-bound cell's whole step on the same host class (default "
-                         "25%%: unchanged host code moved 16%% between two cells of one run, bench/NOTES.md); its "
+                         "25%%: unchanged host code moved 16%% between two cells of one run, bench/notes/gate-thresholds.md); its "
                          "device time keeps the spread rule")
     ap.add_argument("--max-dispatch-drop", type=float, default=0.50,
                     help="largest allowed drop of a cell whose bar a slower-dispatching host lowered (default 50%%: "
@@ -538,7 +538,7 @@ def main(argv=None):
     ap.add_argument("--memory-rise", type=float, default=0.03, help="allowed rise of any device's peak (default 3%%)")
     ap.add_argument("--shared-device-memory-rise", type=float, default=0.20,
                     help="allowed rise of the allocator's peak for bf16/fp16 pipeline cells whose ranks share a "
-                         "device (default 20%%: unchanged code moved 10-11%% between two hosts, bench/NOTES.md)")
+                         "device (default 20%%: unchanged code moved 10-11%% between two hosts, bench/notes/pipeline-shared-device-peaks.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip Google Benchmark's compare.py display")
     ap.add_argument("--recheck", metavar="FILE",
                     help="a strata_bench JSON of cells measured again (ci/recheck.py): a cell that failed on time alone "

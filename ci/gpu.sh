@@ -169,8 +169,8 @@ tail -n 20 "$outdir/bench.txt"
 bench_command="strata_bench --device=cuda:0 --benchmark_repetitions=$reps ${STRATA_BENCH_ARGS:-}"
 # One GPU, options beyond the defaults: hook_offload with the tied embedding and blocks 1 and 2 of
 # gpt-871m trained on the device, and its overlapped twin (the report's host table takes the
-# twin's device time for the overlapped cell's floor; bench/NOTES.md, "Units trained on the
-# device against their own floor"). New cells are listed, not gated, until a baseline has them.
+# twin's device time for the overlapped cell's floor; bench/notes/resident-updates.md). New cells
+# are listed, not gated, until a baseline has them.
 # The matrix's measured matmul peak, so every cell's MFU has the same denominator.
 peak=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["peak_tflops"])' "$outdir/bench.json")
 # extra_cells JSON ARGS SHOWN: one strata_bench invocation beyond the matrix (ARGS: its own
@@ -190,7 +190,7 @@ extra_cells "$outdir/bench-resident.json" \
 merge_into "$outdir/bench.json" "$outdir/bench-resident.json" || status=1
 if [ "$gpu_count" -gt 1 ]; then
   echo "ci/gpu.sh: cells over two GPUs"
-  wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/NOTES.md: one H200 trains at most 7,968,750
+  wide=${STRATA_WIDE_CLASSES:-8250000}  # bench/notes/bert-wide-classifier.md: one H200 trains at most 7,968,750
   two=cuda:0,cuda:1
   cells=(
     "gpt|--models=gpt-871m --strategies=manual_split --options=devices=$two"

@@ -13,7 +13,7 @@ run by that binary on the same host, the two alternating over --rounds processes
 then this code, then this code then reference: a host that drifts during the pair weighs on both
 alike), and the reference's rows go to --reference-out for the gate's --recheck-reference. The
 gate then compares the code with the baseline's code on one host at one time, which no probe of
-the host's speed can (bench/NOTES.md, "The gate against the baseline's own code"). Every row is
+the host's speed can (bench/notes/gate-recheck.md). Every row is
 tagged with its process (counter recheck_process, 1 up, per side): processes of one binary on one
 host differ by more than the repetitions within one, so the gate compares processes. With 3 a side
 the clearest separation reaches the gate's 5% exactly (1 arrangement in 20); the default 4 gives

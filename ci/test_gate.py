@@ -496,7 +496,7 @@ def processes(name, values, host_bound=0, fwd_bwd=False):
 @case
 def a_pair_fails_only_where_the_processes_say_slower_beyond_their_own_spread():
     base, now = reps("l/m", 1000, 0.02), reps("l/m", 650, 0.02)
-    # Processes as far apart as unchanged code's on one H200 host (159-214k items/s, bench/NOTES.md):
+    # Processes as far apart as unchanged code's on one H200 host (159-214k items/s, bench/notes/gate-recheck.md):
     # 0.902 x by the medians, below a 6% bar, but the processes interleaved: not a slowdown the pair
     # can show.
     status, out = run(now, base, recheck=processes("l/m", [160, 180, 190, 215]),

@@ -6,7 +6,7 @@
 // another evicts the primitive it came from, and the first builds the primitive again from a copy
 // whose pointers lead into freed memory. On oneDNN before 3.4 a small cache makes this show within
 // seconds (bad_alloc, bad_array_new_length or a segmentation fault); a cache that never evicts does
-// not. Not a test: whether a given run meets the race is chance. bench/NOTES.md has measured runs.
+// not. Not a test: whether a given run meets the race is chance. bench/notes/onednn-cache-guard.md has measured runs.
 // Built with the project, so it keeps compiling; run by hand.
 //
 //   strata_onednn_repro --capacity=64     evicting cache: fails on an affected oneDNN

@@ -4,7 +4,7 @@
 // checks the same cases in the same order: the loss, gradients and parameters every rank returns
 // against the single-process baseline on the whole batch. CTest starts them with 2 and 3 ranks on
 // the CPU (Gloo) and with 2 on two GPUs (NCCL); they hold for any world (4 and 8 ranks were run on
-// the CPU by hand: bench/NOTES.md).
+// the CPU by hand: bench/notes/world-sizes-on-cpu-ranks.md).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <rapidcheck.h>

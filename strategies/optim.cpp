@@ -111,7 +111,7 @@ Out* element(Out* out, int64_t i) {
 // restrict-qualified pointers and ivdep. Without them GCC vectorized the fp32 loop behind a run-time
 // overlap check but left the loop that also writes a bf16 copy scalar: 5.1 ns an element against
 // 1.2 vectorized on one core of the 2-core CPU machine, which made the bf16 host pass compute-bound
-// (bench/NOTES.md, "The bf16 host pass, vectorized").
+// (bench/notes/bf16-host-pass.md).
 template <typename Out>
 void sgd_in_place(const SgdStep& step, float* __restrict__ p, float* __restrict__ buf, const float* __restrict__ g,
                   Out* __restrict__ out, int64_t n) {

@@ -48,7 +48,7 @@ std::unique_ptr<Strategy> Registry::create(const std::string& name, const Strate
   auto strategy = found->second.factory(config);
   STRATA_CHECK(strategy->supports(config.precision), "strategy '" << name << "' does not train in precision "
                                                                  << config.precision.to_string()
-                                                                 << " (yet); README.md, 'Precision', says what each supports");
+                                                                 << " (yet); docs/precision.md says what each supports");
   return strategy;
 }
 

@@ -133,7 +133,7 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 
-/// What one option of a strategy means (for `--list` and the README's table of options).
+/// What one option of a strategy means (for `--list` and the table of options in docs/options.md).
 struct OptionDoc {
   std::string key;
   std::string values;       ///< what it accepts, e.g. "0..", "recompute, keep"

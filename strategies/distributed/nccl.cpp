@@ -78,7 +78,7 @@ std::vector<c10::intrusive_ptr<c10d::ProcessGroupNCCL>>& live() {
 // (group_for sets the device first), and exit handlers run in the reverse order of their
 // registration. Left running, a group's watchdog thread can ask CUDA for the current device after
 // CUDA has shut down, and the error it gets ends the process with an abort (seen under
-// compute-sanitizer on an H200, after every test had passed; reports/h200/sanitize-2026-12-01.txt).
+// compute-sanitizer, after every test had passed; bench/notes/nccl-shutdown-at-exit.md).
 void shut_down_live_groups() {
   std::vector<c10::intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
   {
