@@ -58,8 +58,9 @@ inline constexpr double kFp32UnitRoundoff = 5.9604644775390625e-08;
 inline constexpr double kReferenceErrorMultiple = 32.0;
 /// The floor for quantities the fp32 baselines happen to round exactly: eight roundings of the
 /// largest magnitude that entered the computation — for a gradient, the largest gradient of any
-/// parameter of the blocks that use it (the same backward products fed both); for a parameter,
-/// buffer or loss, its own largest value.
+/// parameter of the blocks that use it (the same backward products fed both); for the loss, the
+/// larger of itself and the model's largest output (a cross entropy that cancels rounds at its
+/// logits' size); for a parameter or buffer, its own largest value.
 inline constexpr double kRoundingFloorUlps = 8.0;
 /// fp32's smallest normal number: below it every value is zero as far as training can tell (a zero
 /// moved by one ulp lands in the denormals), so no bound is tighter.
