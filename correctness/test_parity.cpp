@@ -18,6 +18,8 @@
 #include "correctness/support/test_device.h"
 #include "strategies/baseline/baseline.h"
 #include "strategies/device/device.h"
+#include "strategies/hook_offload/hook_offload.h"
+#include "correctness/support/hook_offload_peer.h"
 #include "strategies/options.h"
 
 namespace strata::correctness {
@@ -732,23 +734,58 @@ TEST_P(Parity, trainer_order_with_delays_matches_baseline) {
   }
 }
 
+// hook_offload whose gradient copies to the host wait behind a gate until its optimizer_step has
+// returned, or until anything that reads it (gradients(), parameters(), the next train_step, which
+// waits for the last one's copies) opens it first: copies surely in flight while optimizer_step
+// runs, however the host and the device are loaded (a delay only makes that likely: on a GPU the
+// checker's own work between the two calls outlasted 50 ms delays). A right optimizer_step would
+// wait for them forever: this is for the deliberately broken one (debug_step_unwaited) alone.
+class CopiesHeldThroughTheStep : public HookOffload {
+ public:
+  explicit CopiesHeldThroughTheStep(const StrategyConfig& c)
+      : HookOffload("hook_offload", c, HookOffloadOptions::parse(c.options)) {}
+  ~CopiesHeldThroughTheStep() override { open(); }
+  double train_step(const models::Batch& batch) override {
+    open();  // the last step's copies: this train_step waits for them first
+    gate_ = std::make_shared<device::Gate>();
+    HookOffloadTestPeer(*this).hold_gradient_copies(gate_);
+    return HookOffload::train_step(batch);
+  }
+  void optimizer_step() override {
+    HookOffload::optimizer_step();
+    open();
+  }
+  void finish_backward() override { open(), HookOffload::finish_backward(); }
+  void finish_step() override { open(), HookOffload::finish_step(); }
+  NamedTensors gradients() override { return open(), HookOffload::gradients(); }
+  NamedTensors parameters() override { return open(), HookOffload::parameters(); }
+  NamedTensors buffers() override { return open(), HookOffload::buffers(); }
+
+ private:
+  void open() {
+    if (gate_) gate_->open();
+  }
+  std::shared_ptr<device::Gate> gate_;
+};
+
 // A trainer calls train_step, then optimizer_step, then reads parameters: nothing in between waits
 // for the gradients in flight. hook_offload with debug_step_unwaited updates from gradients still
-// on their way (each copy delayed 50 ms here, as the device layer's delays make them on either
-// device, far longer than the host takes to start its update): the
-// default order reads gradients() first, which waits, and passes it; the trainer's order fails it.
+// on their way (held until its optimizer_step has returned): the default order reads gradients()
+// first, which waits, and passes it; the trainer's order fails it. The right hook_offload passes
+// the trainer's order, with the device layer's delays on every copy.
 TEST(ParityChecker, the_trainer_order_catches_a_step_that_does_not_wait_for_its_gradients) {
   using namespace std::chrono_literals;
-  device::ScopedDelays delays({/*copy=*/50ms, /*compute=*/0ms});
   ParityCase c = preset_case("mlp-tiny");
   c.options = {{"debug_step_unwaited", "1"}, {"prefetch", "1"}};
-  const auto checker_order = check_parity("hook_offload", c, test::device());
+  const auto held = [](const StrategyConfig& config) { return std::make_unique<CopiesHeldThroughTheStep>(config); };
+  const auto checker_order = check_parity(held, c, test::device());
   EXPECT_TRUE(checker_order.ok) << checker_order.message;
   c.trainer_order = true;
-  const auto trainer_order = check_parity("hook_offload", c, test::device());
+  const auto trainer_order = check_parity(held, c, test::device());
   EXPECT_FALSE(trainer_order.ok);
   EXPECT_THAT(trainer_order.message, HasSubstr("parameter"));
-  c.options.erase("debug_step_unwaited");  // and the right strategy passes in that order
+  c.options.erase("debug_step_unwaited");
+  device::ScopedDelays delays({/*copy=*/20ms, /*compute=*/0ms});
   const auto right = check_parity("hook_offload", c, test::device());
   EXPECT_TRUE(right.ok) << right.message;
 }
