@@ -143,7 +143,8 @@ TEST(HostUpdates, a_held_unit_runs_once_its_gate_opens_and_the_others_meanwhile)
   b.first_use = 1;
   updates.push(update_of(a, {}));
   updates.push(update_of(b, {}));
-  for (int i = 0; i < 200 && updates.pending() > 1; ++i) std::this_thread::sleep_for(1ms);
+  // The worker runs b's task, then waits in a's for its gate: b is done once one is pending.
+  for (int i = 0; i < 20000 && updates.pending() > 1; ++i) std::this_thread::sleep_for(1ms);
   {
     std::lock_guard<std::mutex> lock(mutex);
     EXPECT_EQ(applied, std::vector<int64_t>{1});
@@ -160,12 +161,16 @@ TEST(TiedRows, the_spare_becomes_the_master_and_twice_is_no_change) {
   tied.spare_travel = torch::ones({3}, torch::kBFloat16);
   int slot = 0;
   const auto old_master = master, old_spare = tied.spare_param;
+  const auto old_travel = travel, old_spare_travel = tied.spare_travel;
   tied.promote_spare(master, travel, slot);
   EXPECT_TRUE(master.is_same(old_spare));
   EXPECT_TRUE(tied.spare_param.is_same(old_master));
+  EXPECT_TRUE(travel.is_same(old_spare_travel));
+  EXPECT_TRUE(tied.spare_travel.is_same(old_travel));
   EXPECT_EQ(slot, 1);
   tied.promote_spare(master, travel, slot);
   EXPECT_TRUE(master.is_same(old_master));
+  EXPECT_TRUE(travel.is_same(old_travel));
   EXPECT_EQ(slot, 0);
 }
 

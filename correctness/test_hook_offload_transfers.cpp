@@ -337,6 +337,7 @@ TEST(HookOffload, bad_options_name_the_value) {
   using ::testing::HasSubstr;
   EXPECT_THAT(error_of({{"prefetch", "-1"}}), HasSubstr("prefetch=-1"));
   EXPECT_THAT(error_of({{"lead", "-2"}}), HasSubstr("lead=-2"));
+  EXPECT_THAT(error_of({{"grads_early", "1"}}), HasSubstr("grads_early is called grads_in_parts now"));
   EXPECT_THAT(error_of({{"opening", "-1"}}), HasSubstr("opening='-1'"));
   EXPECT_THAT(error_of({{"opening", "3x"}}), HasSubstr("opening='3x'"));
   EXPECT_THAT(error_of({{"opening", "99999999999999999999"}}), HasSubstr("opening='99999999999999999999'"));

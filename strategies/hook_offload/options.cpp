@@ -9,6 +9,8 @@
 namespace strata {
 
 HookOffloadOptions HookOffloadOptions::parse(const std::map<std::string, std::string>& options) {
+  STRATA_CHECK(!options.count("grads_early"),
+               "hook_offload: option grads_early is called grads_in_parts now (the same values: auto, 1, 0)");
   OptionReader reader("hook_offload", options);
   HookOffloadOptions o;
   o.prefetch = reader.get_int("prefetch", o.prefetch);

@@ -52,9 +52,11 @@ struct HookOffloadOptions {
   /// ended, once a last use of the matrix was seen sparse; at the end of backward before that), and
   /// the next forward's fetch sends only the touched rows once their step has run. It trades the
   /// matrix's device bytes, held from then to the next forward, for a fetch of its rows alone at
-  /// the step's boundary; a last use that turns dense wastes one copy. Off by default: the copy
-  /// competes with backward's own transfers, and no host it was measured on gained from it
-  /// reliably (bench/notes/tied-early.md). "Early" in this strategy means this copy, ahead of its
+  /// the step's boundary; a last use that turns dense wastes one copy. It pays where the host's
+  /// pass is shorter than the device's step (the fetch at the boundary is then what the forward
+  /// waits for); where the host's pass is the critical path, the forward waits for the updates
+  /// instead, and the copy's read of host memory slows them. Off by default, for the second kind
+  /// of model (bench/notes/tied-early.md). "Early" in this strategy means this copy, ahead of its
   /// fetch, and nothing else.
   bool tied_early = false;
   /// With tied_rows and overlap_optimizer: the first use's gradient of a tied matrix (the head's)
@@ -71,8 +73,9 @@ struct HookOffloadOptions {
   /// rather than all of them once the backward has ended: what is left to cross the link after the
   /// last block's backward is then its last part, not its whole window. Tied units, units trained
   /// on the device and a step's later micro-batches (summed on the host through staging) still go
-  /// at the block's end. 1 or 0; kPartsAuto: 1 where the compute dtype is fp32 (under bf16 the
-  /// parts' copies cost more than the shorter tail gained; bench/notes/grads-in-parts.md).
+  /// at the block's end. 1 or 0; kPartsAuto: 1 where the compute dtype is fp32 (under bf16 it made
+  /// the step slower, for a cause not traced; bench/notes/grads-in-parts.md). Named grads_early
+  /// before; that name is refused with the new one named.
   static constexpr int kPartsAuto = -1;
   int grads_in_parts = kPartsAuto;
   bool recompute = true;               ///< recompute blocks in backward (checkpointing); false keeps activations
