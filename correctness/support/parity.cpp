@@ -247,19 +247,23 @@ std::string moved_as_reference(bool adamw_decays, const StepEnds& reference, con
 // the slices are those of the reference's own point; each slice's gradient is that of its
 // loss_sum over the whole batch's target count, as the strategies split it (a slice without a
 // counted target has none).
-void add_slice_sizes(models::BlockModel& model, const torch::Device& device, const NamedTensors& params,
-                     const NamedTensors& buffers, const models::Batch& batch, int64_t slices, NamedTensors& sizes) {
+// `model` (the fp64 copy) set to the reference's point: its parameters and buffers.
+void set_to(models::BlockModel& model, const NamedTensors& params, const NamedTensors& buffers) {
   const auto& p = model.parameters();
   const auto& b = model.buffers();
   STRATA_CHECK(p.size() == params.size() && b.size() == buffers.size(),
                "check_parity: the reference reports " << params.size() << " parameters and " << buffers.size()
                                                       << " buffers, a fresh build of the model " << p.size() << " and "
                                                       << b.size());
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < p.size(); ++i) p[i].tensor.copy_(params[i].second);
-    for (size_t i = 0; i < b.size(); ++i) b[i].tensor.copy_(buffers[i].second);
-  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < p.size(); ++i) p[i].tensor.copy_(params[i].second);
+  for (size_t i = 0; i < b.size(); ++i) b[i].tensor.copy_(buffers[i].second);
+}
+
+void add_slice_sizes(models::BlockModel& model, const torch::Device& device, const NamedTensors& params,
+                     const NamedTensors& buffers, const models::Batch& batch, int64_t slices, NamedTensors& sizes) {
+  set_to(model, params, buffers);
+  const auto& p = model.parameters();
   if (sizes.empty())
     for (const auto& np : p) sizes.emplace_back(np.name, torch::zeros(np.tensor.sizes(), torch::kDouble));
   std::vector<torch::Tensor> trainable;
@@ -291,11 +295,8 @@ void add_slice_sizes(models::BlockModel& model, const torch::Device& device, con
 // about 2 less the target's logit, leaving 0.024) rounds at the logits' size, not its own.
 double output_size(models::BlockModel& model, const torch::Device& device, const NamedTensors& params,
                    const NamedTensors& buffers, const models::Batch& batch) {
+  set_to(model, params, buffers);
   torch::NoGradGuard no_grad;
-  const auto& p = model.parameters();
-  const auto& b = model.buffers();
-  for (size_t i = 0; i < p.size() && i < params.size(); ++i) p[i].tensor.copy_(params[i].second);
-  for (size_t i = 0; i < b.size() && i < buffers.size(); ++i) b[i].tensor.copy_(buffers[i].second);
   auto x = batch.input.to(device);
   for (const auto& block : model.blocks()) x = block->forward(x);
   return x.is_floating_point() ? max_abs(x) : 0.0;
@@ -468,26 +469,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
           slice_sizes.empty() ? by_block(ref_grads) : larger_of(by_block(ref_grads), by_block(slice_sizes));
       const auto base_grads = of_each(baselines, gradients);
       auto verdict = compare_to_reference("gradient", grads, base_grads, ref_grads, grad_scales, {}, &gradient_bounds, u);
-      if (c.trainer_order) {
-        // The samples' sizes too where the model runs a sample alone: the widest bound the
-        // default order could give.
-        try {
-          NamedTensors sample_sizes;
-          for (const auto& [batch, ref_buffers] : points)
-            add_slice_sizes(model_for_slices(), device, ref_ends.before, ref_buffers, batch, batch.size(),
-                            sample_sizes);
-          compare_to_reference("gradient", grads, base_grads, ref_grads, larger_of(grad_scales, by_block(sample_sizes)),
-                               {}, &gradient_bounds, u);
-        } catch (const std::exception&) {
-        }
-      } else if (!verdict.empty()) {
-        // A second look, at the samples' own sizes: where a gradient cancels over the batch, a
-        // strategy that forms each sample's share by another route (a softmax split over class
-        // shards, other kernels) rounds at those shares' size, which the whole-batch baselines
-        // (that happen to round the cancelled sum far more finely) cannot show. The floor then takes
-        // the sum over samples of |sample's gradient|, at the reference's point (add_slice_sizes
-        // with a slice a sample). A model that cannot run one sample alone (BatchNorm) keeps the
-        // first verdict.
+      // The verdict (and bounds) with the floor at the step's samples' summed sizes; unchanged for a
+      // model that cannot run one sample alone (BatchNorm).
+      auto at_samples_sizes = [&]() {
         try {
           NamedTensors sample_sizes;
           for (const auto& [batch, ref_buffers] : points)
@@ -497,6 +481,20 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
                                          larger_of(grad_scales, by_block(sample_sizes)), {}, &gradient_bounds, u);
         } catch (const std::exception&) {
         }
+      };
+      if (c.trainer_order) {
+        // The samples' sizes too where the model runs a sample alone: the widest bound the
+        // default order could give (the verdict is the reference's own against itself).
+        at_samples_sizes();
+      } else if (!verdict.empty()) {
+        // A second look, at the samples' own sizes: where a gradient cancels over the batch, a
+        // strategy that forms each sample's share by another route (a softmax split over class
+        // shards, other kernels) rounds at those shares' size, which the whole-batch baselines
+        // (that happen to round the cancelled sum far more finely) cannot show. The floor then takes
+        // the sum over samples of |sample's gradient|, at the reference's point (add_slice_sizes
+        // with a slice a sample). A model that cannot run one sample alone (BatchNorm) keeps the
+        // first verdict.
+        at_samples_sizes();
       }
       if (auto msg = settle(verdict); !msg.empty())
         return fail(step, (micro_batches > 1 ? "accumulated over two batches: " : "") + msg);

@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -70,6 +71,11 @@ Environment Environment::from_env() {
 const Environment& environment() {
   static const Environment env = Environment::from_env();
   return env;
+}
+
+int64_t ring_all_reduce_bytes(int64_t bytes, int world) {
+  const auto w = static_cast<double>(world);
+  return static_cast<int64_t>(std::llround(static_cast<double>(bytes) * 2 * (w - 1) / w));
 }
 
 torch::Device rank_device(const torch::Device& requested) {

@@ -510,9 +510,7 @@ int64_t Pipeline::channel_bytes_sent() const {
 }
 
 void Pipeline::count_all_reduce(const torch::Tensor& t) {
-  // A ring all-reduce: each rank sends 2 (W - 1) / W of the tensor.
-  const auto w = static_cast<double>(rank_devices_.size());
-  bytes_interconnect_ += static_cast<int64_t>(std::llround(static_cast<double>(t.nbytes()) * 2 * (w - 1) / w));
+  bytes_interconnect_ += distributed::ring_all_reduce_bytes(t.nbytes(), static_cast<int>(rank_devices_.size()));
 }
 
 std::shared_ptr<distributed::Channel> Pipeline::channel_to(int rank, bool outgoing) const {

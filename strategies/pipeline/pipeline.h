@@ -163,7 +163,7 @@ class Pipeline : public Strategy {
   std::shared_ptr<distributed::Channel> channel_to(int rank, bool outgoing) const;
   /// What this rank's outgoing channels have sent, ever (their own count).
   int64_t channel_bytes_sent() const;
-  /// Adds a ring all-reduce's share of `t` (2 (W - 1) / W of it) to the interconnect bytes.
+  /// Adds what this rank sends in an all-reduce of `t` to the interconnect bytes.
   void count_all_reduce(const torch::Tensor& t);
   void send_remote(Run& run, int to_stage, const torch::Tensor& t);
   void fail_remaining(Run& run, size_t from_action);

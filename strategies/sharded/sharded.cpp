@@ -178,7 +178,7 @@ void Sharded::attach_model(models::BlockModel model) {
     if (options_.offload) {
       unit.shard = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).copy_(mine);
       if (unit.trainable_numel > 0) unit.shard_grad = device::host_buffer({unit.shard_numel}, torch::kFloat, device_).zero_();
-      if (offload_to_host() && config_.precision.transfer != torch::kFloat)
+      if (options_.offload && config_.precision.transfer != torch::kFloat)
         unit.travel = device::host_buffer({unit.shard_numel}, config_.precision.transfer, device_).copy_(mine);
     } else {
       unit.shard = mine.to(device_, /*non_blocking=*/false, /*copy=*/true);
@@ -198,7 +198,7 @@ void Sharded::attach_model(models::BlockModel model) {
   }
   // Buffers live on the device, whole on every rank (they are small, and most are fixed).
   for (const auto& b : model.buffers()) b.tensor.set_data(b.tensor.to(device_));
-  if (offload_to_host()) {
+  if (options_.offload) {
     h2d_.emplace(device::Stream::side(device_));
     d2h_.emplace(device::Stream::side(device_));
     host_.emplace();
@@ -385,15 +385,14 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
     }
     const bool fresh = !unit.has_grad;
     const int64_t shard = unit.shard_numel;
+    // On a fresh step with the shard on the device and an fp32 reduction, straight into its gradient.
+    const bool into_grad = fresh && !options_.offload && config_.precision.reduce == torch::kFloat;
     if (unit.users > 1) {
       // A shared parameter: its uses summed over the step (in the reduction dtype), reduced once
       // its last use is done, while the next block's backward runs.
-      if (!unit.grad_full.defined()) {
-        unit.grad_full = torch::empty({unit.padded}, reduce_options);
-        fill_flat(parts, 0, unit.padded, unit.grad_full, /*add=*/false);
-      } else {
-        fill_flat(parts, 0, unit.padded, unit.grad_full, /*add=*/true);
-      }
+      const bool first_use = !unit.grad_full.defined();
+      if (first_use) unit.grad_full = torch::empty({unit.padded}, reduce_options);
+      fill_flat(parts, 0, unit.padded, unit.grad_full, /*add=*/!first_use);
       if (--unit.pending_users > 0) continue;  // its other uses come later in backward
       if (fresh && !options_.offload) unit.shard_grad = torch::empty({shard}, reduce_options.dtype(torch::kFloat));
       Reduction r;
@@ -404,7 +403,6 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
       if (w == 1) {
         r.out = std::move(unit.grad_full);
       } else {
-        const bool into_grad = fresh && !options_.offload && config_.precision.reduce == torch::kFloat;
         r.in = std::move(unit.grad_full);
         r.out = into_grad ? unit.shard_grad : torch::empty({shard}, reduce_options);
         r.work = group_->reduce_scatter(r.out, r.in);
@@ -440,7 +438,6 @@ void Sharded::flush_gradients(int64_t block, const std::vector<torch::Tensor>& g
       } else {
         r.in = torch::empty({w * r.length}, reduce_options);
         for (int64_t k = 0; k < w; ++k) fill_flat(parts, k * shard + lo, r.length, r.in.narrow(0, k * r.length, r.length), false);
-        const bool into_grad = fresh && !options_.offload && config_.precision.reduce == torch::kFloat;
         r.out = into_grad ? unit.shard_grad.narrow(0, lo, r.length) : torch::empty({r.length}, reduce_options);
         r.work = group_->reduce_scatter(r.out, r.in);
         count_reduction(w * r.length);
@@ -488,7 +485,7 @@ void Sharded::finish_reduction(Reduction& r) {
   r.in = torch::Tensor();
   auto& unit = units_[static_cast<size_t>(r.unit)];
   auto target = unit.shard_grad.narrow(0, r.offset, r.length);
-  if (offload_to_host()) {
+  if (options_.offload) {
     // Down on the copy stream, straight into the pinned gradient on a fresh step (else into a staging
     // buffer that the host adds); the host applies the update once the unit's last piece has landed.
     // A reduction narrower than fp32 is widened on the device first, in the compute stream's order.
@@ -607,8 +604,7 @@ double Sharded::train_step(const models::Batch& batch) {
   // The whole batch's mean: every rank's weighted share, summed.
   auto total = torch::tensor({local}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
   group_->all_reduce(total).wait();
-  const auto w = static_cast<double>(world_size());
-  count_collective(static_cast<int64_t>(sizeof(double)), 2 * (w - 1) / w);
+  bytes_interconnect_ += distributed::ring_all_reduce_bytes(static_cast<int64_t>(sizeof(double)), world_size());
   return total.item<double>();
 }
 

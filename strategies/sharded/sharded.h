@@ -129,10 +129,6 @@ class Sharded : public Strategy, public WindowedRunner {
   /// each forward (rank 0's are what its own slice left), so the next forward starts from them on
   /// every rank and buffers() is the same everywhere.
   void agree_on_buffers();
-  /// Offload's host path: shards up and gradients down on copy streams, the host's sums and
-  /// updates on its queue. On the CPU too, where the copy streams are worker threads, so that the
-  /// CPU's tests run the path a GPU runs (with the device layer's delays).
-  bool offload_to_host() const { return options_.offload; }
   /// A full tensor assembled from every rank's slice `part` of `unit` (a shard or its gradient).
   torch::Tensor gather_full(const Unit& unit, const torch::Tensor& part);
   NamedTensors full_tensors(bool grads);
