@@ -330,7 +330,8 @@ void Sharded::before_compute(int64_t block, bool backward) {
 }
 
 void Sharded::after_compute(int64_t block, bool backward) {
-  if (!backward && !options_.reshard_after_forward) return;  // kept for its backward
+  // Kept for its backward; the last block's always: its backward comes next.
+  if (!backward && (!options_.reshard_after_forward || last_block(block))) return;
   drop_window(block);
 }
 
@@ -737,8 +738,8 @@ std::unique_ptr<Strategy> make_sharded(const std::string& name, const StrategyCo
 static const OptionDocumenter sharded_docs(
     {"sharded", "sharded_offload"},
     {{"prefetch", "0..", "units whose all-gathers run ahead"},
-     {"activations", "recompute, keep", "recompute blocks in backward, or keep their activations"},
-     {"reshard_after_forward", "0/1", "free gathered units after forward, gather them again in backward"},
+     {"activations", "recompute, keep", "recompute blocks (all but the last) in backward, or keep their activations"},
+     {"reshard_after_forward", "0/1", "free gathered units after forward (all but the last block's), gather them again in backward"},
      {"offload", "0/1", "shards, gradients and optimizer state in pinned host memory"},
      {"overlap_optimizer", "0/1 (default: as offload)", "with offload: each unit updated on the host during backward"},
      {"piece_kib", "1..", "a unit one block uses is reduced (with offload: copied down) in pieces of at most this many KiB of each rank's shard"},

@@ -4,8 +4,8 @@
 // several blocks share — each one flat fp32 buffer padded to a multiple of the world size; rank r
 // keeps slice r (its shard) and the optimizer state of that slice only. A block's units are
 // all-gathered just before it runs (the next blocks' gathers already in flight) and freed after it
-// (or kept to backward: reshard_after_forward=0); backward gathers them again in reverse, recomputes
-// the block (or keeps its activations) and reduce-scatters each unit's gradient as soon as its last
+// (or kept to backward: reshard_after_forward=0; the last block's always are); backward gathers them
+// again in reverse, recomputes the block (or keeps its activations; the last block always keeps them) and reduce-scatters each unit's gradient as soon as its last
 // use is done, while the next block's backward runs. Each rank is handed the global batch, runs its
 // own slice of it, and weighs its loss by its share of the batch's targets, so the result is the
 // whole batch's mean whatever the split. Buffers (BatchNorm's running statistics) are rank 0's on
@@ -87,8 +87,12 @@ class Sharded : public Strategy, public WindowedRunner {
   void before_compute(int64_t block, bool backward) override;
   void after_compute(int64_t block, bool backward) override;
   void flush_gradients(int64_t block, const std::vector<torch::Tensor>& grads) override;
-  bool recompute_block(int64_t block) const override { return options_.recompute; }
+  /// The last block (a head whose output goes straight into the loss) keeps its graph and its
+  /// window: its backward follows its forward at once, so a recompute and a second gather would
+  /// redo the widest product and the head's cast for nothing (baseline_checkpoint leaves it out too).
+  bool recompute_block(int64_t block) const override { return options_.recompute && !last_block(block); }
   std::vector<KeptGraph>& kept_graphs() override { return kept_; }
+  bool last_block(int64_t block) const { return block + 1 == static_cast<int64_t>(windows_.size()); }
 
  protected:
   void attach_model(models::BlockModel model) override;
