@@ -7,10 +7,13 @@
 #include <rapidcheck.h>
 #include <rapidcheck/detail/Configuration.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <optional>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include "correctness/support/errors.h"
 #include "correctness/support/generators.h"
@@ -739,21 +742,36 @@ TEST_P(Parity, trainer_order_with_delays_matches_baseline) {
 // waits for the last one's copies) opens it first: copies surely in flight while optimizer_step
 // runs, however the host and the device are loaded (a delay only makes that likely: on a GPU the
 // checker's own work between the two calls outlasted 50 ms delays). A right optimizer_step would
-// wait for them forever: this is for the deliberately broken one (debug_step_unwaited) alone.
+// wait for them: this is for the deliberately broken one (debug_step_unwaited) alone. On CUDA,
+// anything that waits for the whole device (a fresh allocation may) waits for held copies too, so
+// every gate also opens by itself after kLimit, and the test reports whether one had to.
 class CopiesHeldThroughTheStep : public HookOffload {
  public:
-  explicit CopiesHeldThroughTheStep(const StrategyConfig& c)
-      : HookOffload("hook_offload", c, HookOffloadOptions::parse(c.options)) {}
-  ~CopiesHeldThroughTheStep() override { open(); }
+  static constexpr std::chrono::milliseconds kLimit{3000};
+  explicit CopiesHeldThroughTheStep(const StrategyConfig& c, std::shared_ptr<std::atomic<int>> opened_by_limit)
+      : HookOffload("hook_offload", c, HookOffloadOptions::parse(c.options)), opened_by_limit_(std::move(opened_by_limit)) {}
+  ~CopiesHeldThroughTheStep() override {
+    open();
+    for (auto& t : limits_) t.join();
+  }
   double train_step(const models::Batch& batch) override {
     open();  // the last step's copies: this train_step waits for them first
-    gate_ = std::make_shared<device::Gate>();
-    HookOffloadTestPeer(*this).hold_gradient_copies(gate_);
+    // A step's first batch only: an accumulated one sums its gradient through a staging buffer in
+    // pinned host memory, and on CUDA a pinned allocation waits for the whole device.
+    if (first_batch_) {
+      gate_ = std::make_shared<device::Gate>();
+      limits_.emplace_back([gate = gate_, count = opened_by_limit_] {
+        if (!gate->wait_for(kLimit)) ++*count, gate->open();
+      });
+      HookOffloadTestPeer(*this).hold_gradient_copies(gate_);
+    }
+    first_batch_ = false;
     return HookOffload::train_step(batch);
   }
   void optimizer_step() override {
     HookOffload::optimizer_step();
     open();
+    first_batch_ = true;
   }
   void finish_backward() override { open(), HookOffload::finish_backward(); }
   void finish_step() override { open(), HookOffload::finish_step(); }
@@ -766,6 +784,9 @@ class CopiesHeldThroughTheStep : public HookOffload {
     if (gate_) gate_->open();
   }
   std::shared_ptr<device::Gate> gate_;
+  std::shared_ptr<std::atomic<int>> opened_by_limit_;
+  std::vector<std::thread> limits_;
+  bool first_batch_ = true;
 };
 
 // A trainer calls train_step, then optimizer_step, then reads parameters: nothing in between waits
@@ -777,13 +798,19 @@ TEST(ParityChecker, the_trainer_order_catches_a_step_that_does_not_wait_for_its_
   using namespace std::chrono_literals;
   ParityCase c = preset_case("mlp-tiny");
   c.options = {{"debug_step_unwaited", "1"}, {"prefetch", "1"}};
-  const auto held = [](const StrategyConfig& config) { return std::make_unique<CopiesHeldThroughTheStep>(config); };
+  auto opened_by_limit = std::make_shared<std::atomic<int>>(0);
+  const auto held = [&](const StrategyConfig& config) {
+    return std::make_unique<CopiesHeldThroughTheStep>(config, opened_by_limit);
+  };
   const auto checker_order = check_parity(held, c, test::device());
   EXPECT_TRUE(checker_order.ok) << checker_order.message;
+  *opened_by_limit = 0;  // in the default order the checker's work may wait for them: no matter
   c.trainer_order = true;
   const auto trainer_order = check_parity(held, c, test::device());
   EXPECT_FALSE(trainer_order.ok);
   EXPECT_THAT(trainer_order.message, HasSubstr("parameter"));
+  EXPECT_EQ(*opened_by_limit, 0) << "a step's copies were held until the time limit: something between train_step "
+                                    "and optimizer_step waited for them";
   c.options.erase("debug_step_unwaited");
   device::ScopedDelays delays({/*copy=*/20ms, /*compute=*/0ms});
   const auto right = check_parity("hook_offload", c, test::device());

@@ -447,6 +447,10 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         std::vector<NamedTensors> base_losses;
         for (auto& b : baselines) base_losses.push_back(as_named("loss", b->train_step(batch)));
         const double actual = strategy->train_step(batch);
+        // A trainer's order: optimizer_step straight after the step's last train_step, before any
+        // of the checker's own work (whose allocations may wait for the whole device, copies the
+        // strategy left in flight included), so nothing in between waits for them.
+        if (c.trainer_order && micro + 1 == micro_batches) strategy->optimizer_step();
         const auto ref_loss = as_named("loss", expected);
         const Scales loss_scale{std::max(std::abs(expected), output_size(model_for_slices(), device, ref_ends.before,
                                                                          points.back().second, points.back().first))};
@@ -502,7 +506,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         if (auto msg = settle(compare("buffer", buffers, own_scales)); !msg.empty()) return fail(step, msg);
       reference->optimizer_step();
       for (auto& b : baselines) b->optimizer_step();
-      strategy->optimizer_step();
+      if (!c.trainer_order) strategy->optimizer_step();  // else done right after its train_step
       // fp16: a step the strategy skipped on overflow moves nothing, rightly, whatever the baselines did.
       const bool strategy_skipped = strategy->stats().skipped_steps > skipped_before;
       carried.resize(gradient_bounds.size(), 0.0);

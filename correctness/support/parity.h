@@ -92,8 +92,9 @@ struct ParityCase {
   int steps = 3;                              ///< optimizer steps, each after one train_step
   bool ignore_targets = false;                ///< about a third of the targets are kIgnoreIndex (never all)
   std::map<std::string, std::string> options; ///< the strategy's own options
-  /// The order a trainer calls the strategy in: train_step (each accumulated batch), optimizer_step,
-  /// then parameters() and buffers(), nothing read between. The default order reads gradients()
+  /// The order a trainer calls the strategy in: train_step (each accumulated batch), optimizer_step
+  /// at once (before the checker's own work on the device), then parameters() and buffers(),
+  /// nothing read between. The default order reads gradients()
   /// and buffers() before each optimizer_step, and gradients() waits for the gradients in flight,
   /// so a strategy whose optimizer_step forgets that wait passes it; this order catches it (with
   /// the device layer's delays injected, where the copies run late). Gradients are then not
