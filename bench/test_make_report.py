@@ -38,7 +38,50 @@ def report(context, cells, peers=None):
             return f.read()
 
 
+def capacity_report(searches):
+    with tempfile.TemporaryDirectory() as d:
+        paths = []
+        for i, data in enumerate(searches):
+            paths += ["--capacity", os.path.join(d, f"cap{i}.json")]
+            with open(paths[-1], "w") as f:
+                json.dump(data, f)
+        subprocess.run([sys.executable, MAKE_REPORT, "--out", d, "--machine", "test GPU"] + paths, check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(os.path.join(d, "report.md")) as f:
+            return f.read(), os.path.exists(os.path.join(d, "capacity.png"))
+
+
+# A stored strata_capacity search on an emulated 8 GiB card, and a --fit run.
+SEARCH = {"context": {"strata_device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "device_memory_bytes": 8 * 2**30,
+                      "device_memory_emulated": True, "host_memory_bytes": 120 * 2**30, "host_memory_capped": False,
+                      "model": "gpt-871m", "model_config": "gpt(depth=16 width=2048 heads=16 vocab=32000 seq_len=1024 tied=1)",
+                      "axis": "depth", "mode": "search", "batch": 8, "precision": "fp32", "optimizer": "adamw", "steps": 2},
+          "benchmarks": [{"name": "capacity/baseline/gpt-871m/depth", "strategy": "baseline", "axis": "depth", "largest": 3,
+                          "parameters": 217000000, "step_ms": 80.5, "peak_device_bytes": 7 * 2**30, "peak_host_bytes": 2**30,
+                          "predicted_device_bytes": 7.7 * 2**30, "predicted_host_bytes": 1.5 * 2**30, "next": 4,
+                          "next_outcome": "device out of memory", "predicted_largest": 3},
+                         {"name": "capacity/hook_offload/gpt-871m/depth", "strategy": "hook_offload", "axis": "depth",
+                          "largest": 40, "parameters": 2100000000, "step_ms": 900.0, "peak_device_bytes": 6 * 2**30,
+                          "peak_host_bytes": 40 * 2**30, "next": -1, "next_outcome": "the upper end trains",
+                          "predicted_largest": 20},
+                         {"name": "capacity/sharded/gpt-871m/depth", "strategy": "sharded", "axis": "depth", "largest": 2,
+                          "parameters": 170000000, "step_ms": 70.0, "peak_device_bytes": 7 * 2**30, "next": 5,
+                          "next_outcome": "device out of memory", "predicted_largest": 3,
+                          "error_message": "error: size 3: the probe ended without a result"}],
+          "probes": [{"strategy": "baseline", "size": 1, "outcome": "trains", "parameters": 117000000, "step_ms": 40.0},
+                     {"strategy": "baseline", "size": 3, "outcome": "trains", "parameters": 217000000, "step_ms": 80.5},
+                     {"strategy": "baseline", "size": 4, "outcome": "device out of memory", "parameters": 0, "step_ms": 0}]}
+FIT = {"context": dict(SEARCH["context"], mode="fit", model="bert-base-6m", axis="classes"),
+       "benchmarks": [{"name": "fit/baseline/bert-base-6m", "strategy": "baseline", "outcome": "device out of memory"},
+                      {"name": "fit/sharded_offload/bert-base-6m", "strategy": "sharded_offload", "outcome": "trains",
+                       "step_ms": 1950.9, "peak_device_bytes": 35.16 * 2**30, "peak_host_bytes": 80 * 2**30},
+                      {"name": "fit/hook_offload_overlap/bert-base-6m", "strategy": "hook_offload_overlap",
+                       "outcome": "trains", "step_ms": 1637.7, "peak_device_bytes": 34.69 * 2**30,
+                       "peak_host_bytes": 79 * 2**30}]}
+
+
 def main():
+    capacity, capacity_plot = capacity_report([SEARCH, FIT])
     cpu = report({"strata_device": "cpu", "peak_tflops": 0.05},
                  [cell("baseline", "gpt-tiny", peak_param_bytes=110080, peak_allocated_bytes=0,
                        h2d_bytes_per_step=512),
@@ -95,6 +138,16 @@ def main():
                          optimizer_ms=10.0, host_update_ms=300.0, parameters=1e9, optimizer_on_host=1,
                          peak_allocated_bytes=2**30)])
     checks = [
+        ("capacity: a search's table names the emulated card and each strategy's row",
+         "### gpt-871m along depth: NVIDIA H100 80GB HBM3, 8 GiB emulated, host 120 GiB available" in capacity
+         and "| baseline | 3 | 0.217B | 80.5 | 7.00 | 1.00 | 4 | device out of memory | 3 | 1.10 | 1.50 |" in capacity),
+        ("capacity: a search whose upper end trains says so",
+         "| hook_offload | 40 | 2.100B | 900.0 | 6.00 | 40.00 | - | the upper end trains | 20 | - | - |" in capacity),
+        ("capacity: a search stopped by an error shows the error", "error: size 3: the probe ended" in capacity),
+        ("capacity: a fit run lists what trains, fastest first, then what does not",
+         capacity.index("| hook_offload_overlap | trains | 1637.7 |") < capacity.index("| sharded_offload | trains | 1950.9 |")
+         < capacity.index("| baseline | device out of memory |")),
+        ("capacity: the frontier plot", capacity_plot and "![Capacity frontier](capacity.png)" in capacity),
         ("a triad below the run's own host pass: the floor is that pass (every parameter, marked so)",
          "| hook_offload | 1,000,000,000 (model's) | 350.0 | 350.0 | 80.0 | 300.0 | 350.0 | 650.0 | 1.86 |" in low_triad
          and "80.0 GB/s, the fastest host pass of this run" in low_triad),

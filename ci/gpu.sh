@@ -463,8 +463,18 @@ else
   echo "ci/gpu.sh: no $baseline: commit a baseline for this machine or set STRATA_ALLOW_NO_BASELINE=1" | tee "$outdir/gate.txt"
   status=1
 fi
+# Capacity on an emulated 8 GiB card: the deepest gpt at gpt-871m's width each strategy trains
+# (batch 2), measured beside the memory model's prediction (bench/capacity_main.cpp); its section
+# joins the report.
+capacity=()
+if [ "$gate_only" != 1 ] && [ -x build/cuda/bench/strata_capacity ]; then
+  echo "ci/gpu.sh: capacity on an emulated 8 GiB card"
+  ./build/cuda/bench/strata_capacity --device=cuda:0 --model=gpt-871m --scale=depth --batch=2 --device-memory=8 \
+    --max=32 --timeout=300 --json="$outdir/capacity-8g.json" > "$outdir/capacity-8g.txt" 2>&1 || status=1
+  capacity=(--capacity "$outdir/capacity-8g.json")
+fi
 [ "$gate_only" = 1 ] || python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
-  --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
+  ${capacity[@]+"${capacity[@]}"} --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
   --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 
 exit $status

@@ -9,6 +9,11 @@ PyTorch's own equivalents measured in the same run.
 
 Cells that spread over several devices get a table of peak memory per device.
 
+strata_capacity's JSON (one file per search or --fit run) becomes a "Largest that trains" section
+and a frontier plot, beside a bench report or alone:
+
+  python3 reports/make_report.py --capacity cap-depth.json [--capacity cap-24g.json ...] --out DIR
+
 The README's tables of results are made from the committed reports' JSON, one table per machine
 (a folder's `-bf16` sibling joins it as columns; no matplotlib needed):
 
@@ -367,6 +372,86 @@ def update_readme(path):
     print(f"make_report.py: rewrote {len(readme_blocks(lines))} tables in {path}")
 
 
+def capacity_section(paths, out_dir):
+    """The 'Largest that trains' section for strata_capacity JSON files: per search, a table (strategy,
+    largest size, its parameters, step time and peaks there, what ran out next, the memory model's
+    prediction); per --fit run, the strategies that train the model, fastest first; and a plot of
+    the frontier (parameters against step time, per strategy, over the probes that trained)."""
+    out = ["\n## Largest that trains\n",
+           "strata_capacity: each probe a process of its own, a few full steps (optimizer included) after a "
+           "parity check of the strategy on the tiny model. Predicted: bench/memory_model.h from the config "
+           "alone; 'predicted / measured' compares its bytes at the largest size with the device allocator's peak "
+           "and with the host's peak resident memory above the probe's start (on a CPU device, the two parts "
+           "with the host's peak).\n"]
+    frontier = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        ctx, rows = data.get("context", {}), data.get("benchmarks", [])
+        gib = lambda b: f"{b / GIB:.2f}" if b else "-"
+        device = f"{ctx.get('device_name', '?')}, {ctx.get('device_memory_bytes', 0) / GIB:.3g} GiB" + (
+            " emulated" if ctx.get("device_memory_emulated") else "")
+        host = f"host {ctx.get('host_memory_bytes', 0) / GIB:.3g} GiB" + (
+            " capped" if ctx.get("host_memory_capped") else " available")
+        what = (f"{ctx.get('model', '?')} along {ctx.get('axis', '?')}" if ctx.get("mode") == "search"
+                else f"which strategies train {ctx.get('model', '?')}")
+        out.append(f"### {what}: {device}, {host}\n")
+        out.append(f"`{ctx.get('model_config', '')}`, batch {ctx.get('batch', '?')}, {ctx.get('precision', '?')}, "
+                   f"{ctx.get('optimizer', '?')}, {ctx.get('steps', '?')} timed steps a probe.\n")
+        on_cpu = str(ctx.get("strata_device", "")).startswith("cpu")
+        if ctx.get("mode") == "search":
+            out.append("| strategy | largest | parameters | step ms | peak device GiB | peak host GiB | next | "
+                       "ran out | predicted largest | predicted / measured device | predicted / measured host |")
+            out.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+            for r in rows:
+                if "error_message" in r and r.get("largest", -1) < 0:
+                    out.append(f"| {r.get('strategy', r['name'])} | {r['error_message'][:80]} |||||||||| ")
+                    continue
+                ratio = lambda p, m: f"{p / m:.2f}" if m and p else "-"
+                if on_cpu:  # one memory: the host's peak holds both parts
+                    device_ratio = ratio(r.get("predicted_device_bytes", 0) + r.get("predicted_host_bytes", 0),
+                                         r.get("peak_host_bytes", 0))
+                    host_ratio = "-"
+                else:
+                    device_ratio = ratio(r.get("predicted_device_bytes", 0), r.get("peak_device_bytes", 0))
+                    host_ratio = ratio(r.get("predicted_host_bytes", 0), r.get("peak_host_bytes", 0))
+                largest = r.get("largest", -1)
+                out.append(f"| {r['strategy']} | {largest if largest > 0 else 'none'} | "
+                           f"{r.get('parameters', 0) / 1e9:.3f}B | {fmt(r.get('step_ms'))} | "
+                           f"{gib(r.get('peak_device_bytes', 0))} | {gib(r.get('peak_host_bytes', 0))} | "
+                           f"{r.get('next', -1) if r.get('next', -1) > 0 else '-'} | {r.get('next_outcome', '')} | "
+                           f"{r.get('predicted_largest', -1) if r.get('predicted_largest', -1) > 0 else '-'} | {device_ratio} | "
+                           f"{host_ratio} |")
+                if "error_message" in r:
+                    out.append(f"| | {r['error_message'][:100]} |||||||||| ")
+        else:
+            trains = sorted((r for r in rows if r.get("outcome") == "trains"), key=lambda r: r.get("step_ms", 0))
+            out.append("| strategy | trains | step ms | peak device GiB | peak host GiB |")
+            out.append("|---|---|---:|---:|---:|")
+            for r in trains + [r for r in rows if r.get("outcome") != "trains"]:
+                out.append(f"| {r.get('strategy', r['name'])} | {r.get('outcome', r.get('error_message', ''))} | "
+                           f"{fmt(r.get('step_ms')) if r.get('outcome') == 'trains' else '-'} | "
+                           f"{gib(r.get('peak_device_bytes', 0))} | {gib(r.get('peak_host_bytes', 0))} |")
+        out.append("")
+        for p in data.get("probes", []):
+            if p.get("outcome") == "trains":
+                frontier.append((f"{p['strategy']} ({os.path.basename(path)})", p["parameters"], p["step_ms"]))
+    if frontier and plt is not None and out_dir:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for label in sorted({f[0] for f in frontier}):
+            pts = sorted((x, y) for l, x, y in frontier if l == label)
+            ax.plot([x / 1e9 for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel("step ms")
+        ax.set_title("Probes that trained: size against step time")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "capacity.png"), dpi=110)
+        plt.close(fig)
+        out.append("![Capacity frontier](capacity.png)\n")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata")
@@ -375,6 +460,8 @@ def main():
     ap.add_argument("--machine", default="")
     ap.add_argument("--command", default="")
     ap.add_argument("--note", default="", help="shown in bold under the header (e.g. that the run was not gated)")
+    ap.add_argument("--capacity", action="append", default=[], metavar="JSON",
+                    help="strata_capacity JSON: a 'Largest that trains' section (repeatable)")
     ap.add_argument("--readme-table", metavar="FOLDER", help="print the README's table for a committed report folder")
     ap.add_argument("--update-readme", metavar="README", help="rewrite the README's generated tables")
     args = ap.parse_args()
@@ -384,8 +471,20 @@ def main():
     if args.update_readme:
         update_readme(args.update_readme)
         return
+    if args.capacity and not args.strata and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        out = [f"# strata capacity: {args.machine}\n"] if args.machine else ["# strata capacity\n"]
+        if args.note:
+            out.append(f"**{args.note}**\n")
+        if args.command:
+            out.append(f"Produced by:\n\n```sh\n{args.command}\n```\n")
+        out += capacity_section(args.capacity, args.out)
+        with open(os.path.join(args.out, "report.md"), "w") as f:
+            f.write("\n".join(out) + "\n")
+        print(f"make_report.py: wrote {os.path.join(args.out, 'report.md')}")
+        return
     if not args.strata or not args.out:
-        ap.error("--strata and --out are needed to write a report")
+        ap.error("--strata (or --capacity) and --out are needed to write a report")
     if plt is None:
         ap.error("writing a report needs matplotlib (Debian: python3-matplotlib)")
     os.makedirs(args.out, exist_ok=True)
@@ -523,6 +622,8 @@ def main():
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "bandwidth.png"), dpi=110)
         plt.close(fig)
+    if args.capacity:
+        out += capacity_section(args.capacity, args.out)
     out.append("\n## Plots\n")
     for png, title in (("throughput.png", "Throughput"), ("memory.png", "Peak memory"),
                        ("tradeoff.png", "Memory against speed"), ("bandwidth.png", "Achieved H2D bandwidth")):

@@ -142,6 +142,17 @@ void release_cached_memory(const torch::Device& device) {
   if (device.is_cuda()) detail::cuda_release_cached_memory(device);
 }
 
+int64_t total_memory(const torch::Device& device) { return device.is_cuda() ? detail::cuda_total_memory(device) : 0; }
+
+void limit_memory(const torch::Device& device, int64_t bytes) {
+  STRATA_CHECK(device.is_cuda(), "a device memory limit applies to a CUDA device, not '" << device << "'");
+  const auto total = detail::cuda_total_memory(device);
+  STRATA_CHECK(bytes > 0 && bytes <= total, "a device memory limit of " << bytes << " bytes on " << device
+                                                                        << " must be above 0 and at most its "
+                                                                        << total << " bytes");
+  detail::cuda_set_memory_fraction(device, static_cast<double>(bytes) / static_cast<double>(total));
+}
+
 namespace {
 std::mutex delays_mutex;
 Delays current_delays;
@@ -499,6 +510,8 @@ std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& d) { return cu
 AllocatorStats cuda_allocator_stats(const torch::Device&) { return {}; }
 void cuda_reset_peak_stats(const torch::Device&) {}
 void cuda_release_cached_memory(const torch::Device&) {}
+int64_t cuda_total_memory(const torch::Device&) { return 0; }
+void cuda_set_memory_fraction(const torch::Device&, double) {}
 std::shared_ptr<void> cuda_timing_event(const torch::Device& d) { return cuda_compute_stream(d); }
 double cuda_elapsed_ms(const std::shared_ptr<void>&, const std::shared_ptr<void>&) { return 0.0; }
 void cuda_synchronize(const torch::Device&) {}

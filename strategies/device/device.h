@@ -73,6 +73,13 @@ void reset_peak_stats(const torch::Device& device);
 /// is really in use (no-op on CPU). Only between measurements: no work may be in flight.
 void release_cached_memory(const torch::Device& device);
 
+/// Total memory of a CUDA device in bytes (0 for the CPU).
+int64_t total_memory(const torch::Device& device);
+/// Caps what the caching allocator of a CUDA device may hold at `bytes` (its memory fraction), so
+/// that allocations beyond fail as on a card that small (strata_capacity's --device-memory). An
+/// Error for the CPU, or for more than the device has.
+void limit_memory(const torch::Device& device, int64_t bytes);
+
 /// Delays injected into every queued copy and at every compute point a strategy marks, to expose
 /// missing waits (asynchrony tests). Zero by default.
 struct Delays {
@@ -280,6 +287,8 @@ std::shared_ptr<StreamImpl> cuda_side_stream(const torch::Device& device);
 AllocatorStats cuda_allocator_stats(const torch::Device& device);
 void cuda_reset_peak_stats(const torch::Device& device);
 void cuda_release_cached_memory(const torch::Device& device);
+int64_t cuda_total_memory(const torch::Device& device);
+void cuda_set_memory_fraction(const torch::Device& device, double fraction);
 void cuda_synchronize(const torch::Device& device);
 std::string cuda_name(const torch::Device& device);
 std::shared_ptr<void> cuda_timing_event(const torch::Device& device);

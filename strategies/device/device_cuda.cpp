@@ -128,6 +128,15 @@ void cuda_release_cached_memory(const torch::Device& device) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+int64_t cuda_total_memory(const torch::Device& device) {
+  return static_cast<int64_t>(at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->totalGlobalMem);
+}
+
+void cuda_set_memory_fraction(const torch::Device& device, double fraction) {
+  ensure_allocator(device);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device.index() < 0 ? 0 : device.index());
+}
+
 std::shared_ptr<void> cuda_timing_event(const torch::Device& device) {
   auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);  // with timing
   event->record(c10::cuda::getCurrentCUDAStream(device.index()));

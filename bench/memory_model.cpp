@@ -1,0 +1,238 @@
+#include "bench/memory_model.h"
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include <c10/core/ScalarType.h>
+
+#include "models/check.h"
+#include "models/sizes.h"
+
+namespace strata::bench {
+namespace {
+
+const std::set<std::string> kHookOffload = {"hook_offload", "hook_offload_overlap", "hook_offload_sync"};
+const std::set<std::string> kSharded = {"sharded", "sharded_offload"};
+const std::set<std::string> kBaseline = {"baseline", "baseline_checkpoint"};
+
+int64_t option_int(const std::map<std::string, std::string>& options, const std::string& key, int64_t fallback) {
+  const auto it = options.find(key);
+  if (it == options.end()) return fallback;
+  try {
+    size_t used = 0;
+    const auto v = std::stoll(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  STRATA_FAIL("memory model: option " << key << "=" << it->second << " is not a whole number");
+}
+
+bool option_is(const std::map<std::string, std::string>& options, const std::string& key, const std::string& value,
+               bool fallback) {
+  const auto it = options.find(key);
+  return it == options.end() ? fallback : it->second == value;
+}
+
+// Units as strategies/windowed.h plans them: each block's own parameters, and the tied matrix.
+struct Units {
+  std::vector<int64_t> numel;                ///< unit -> parameters
+  std::vector<std::vector<int64_t>> window;  ///< block -> units
+};
+
+Units units_of(const models::ModelSizes& sizes) {
+  Units u;
+  int64_t shared = -1;
+  if (sizes.shared_params > 0) {
+    shared = 0;
+    u.numel.push_back(sizes.shared_params);
+  }
+  for (const auto& b : sizes.blocks) {
+    std::vector<int64_t> w;
+    if (b.own_params > 0) {
+      w.push_back(static_cast<int64_t>(u.numel.size()));
+      u.numel.push_back(b.own_params);
+    }
+    if (b.uses_shared && shared >= 0) w.push_back(shared);
+    u.window.push_back(std::move(w));
+  }
+  return u;
+}
+
+// Bytes of the units in windows [first, last] (each unit once), at `element` bytes a parameter,
+// and of `extra` (a unit, or -1) if not among them.
+int64_t windows_bytes(const Units& u, int64_t first, int64_t last, int64_t element,
+                      const std::vector<int64_t>& padded, int64_t extra = -1) {
+  std::set<int64_t> seen;
+  const int64_t n = static_cast<int64_t>(u.window.size());
+  for (int64_t b = std::max<int64_t>(first, 0); b <= std::min(last, n - 1); ++b)
+    for (auto unit : u.window[b]) seen.insert(unit);
+  if (extra >= 0) seen.insert(extra);
+  int64_t bytes = 0;
+  for (auto unit : seen) bytes += padded[unit] * element;
+  return bytes;
+}
+
+// The widest span of `span` consecutive windows; with `carried` (a unit, or -1), that unit too
+// wherever the span starts between its first and last use (it stays on the device between them).
+int64_t widest_span(const Units& u, int64_t span, int64_t element, const std::vector<int64_t>& padded,
+                    int64_t carried = -1) {
+  int64_t first = -1, last = -1;
+  for (int64_t b = 0; b < static_cast<int64_t>(u.window.size()); ++b)
+    for (auto unit : u.window[b])
+      if (unit == carried) {
+        if (first < 0) first = b;
+        last = b;
+      }
+  int64_t widest = 0;
+  for (int64_t b = 0; b < static_cast<int64_t>(u.window.size()); ++b)
+    widest = std::max(widest, windows_bytes(u, b, b + span - 1, element, padded, b > first && b < last ? carried : -1));
+  return widest;
+}
+
+// Saved activations at the peak: every block's (kept), or every block's input and the widest
+// block's own while it is recomputed, the last block's kept (recompute).
+int64_t activation_bytes(const models::ModelSizes& sizes, int64_t batch, int64_t compute, bool recompute) {
+  const auto scaled = [&](const models::BlockSizes& b) { return b.activation_bytes * batch * compute / 4; };
+  int64_t total = 0;
+  if (!recompute) {
+    for (const auto& b : sizes.blocks) total += scaled(b);
+    return total;
+  }
+  int64_t widest = 0;
+  for (size_t i = 0; i + 1 < sizes.blocks.size(); ++i) {
+    const auto& b = sizes.blocks[i];
+    total += b.input_elements * batch * (b.integer_input ? 8 : compute);
+    widest = std::max(widest, scaled(b));
+  }
+  return total + widest + scaled(sizes.blocks.back());
+}
+
+}  // namespace
+
+int64_t MemoryPrediction::device_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : device) n += p.bytes;
+  return n;
+}
+
+int64_t MemoryPrediction::host_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : host) n += p.bytes;
+  return n;
+}
+
+std::string MemoryPrediction::summary() const {
+  std::ostringstream out;
+  out.precision(3);
+  const auto list = [&](const char* where, const std::vector<MemoryPart>& parts, int64_t total) {
+    out << where << " " << static_cast<double>(total) / (1 << 30) << " GiB";
+    std::string sep = " (";
+    for (const auto& p : parts)
+      if (p.bytes > 0) out << sep << p.what << " " << static_cast<double>(p.bytes) / (1 << 30), sep = ", ";
+    if (sep == ", ") out << ")";
+  };
+  list("device", device, device_bytes());
+  out << "; ";
+  list("host", host, host_bytes());
+  return out.str();
+}
+
+bool memory_model_covers(const std::string& strategy) {
+  return kHookOffload.count(strategy) || kSharded.count(strategy) || kBaseline.count(strategy);
+}
+
+MemoryPrediction predict_memory(const MemoryQuestion& q) {
+  STRATA_CHECK(memory_model_covers(q.strategy),
+               "memory model: strategy '" << q.strategy
+                                          << "' is not modelled (baseline, baseline_checkpoint, hook_offload, "
+                                             "hook_offload_overlap, hook_offload_sync, sharded, sharded_offload are)");
+  STRATA_CHECK(q.batch >= 1, "memory model: batch=" << q.batch << " must be at least 1");
+  const auto sizes = models::model_sizes(q.model);
+  const auto units = units_of(sizes);
+  const int64_t P = sizes.parameters();
+  const int64_t compute = static_cast<int64_t>(c10::elementSize(q.precision.compute));
+  const int64_t transfer = static_cast<int64_t>(c10::elementSize(q.precision.transfer));
+  const int64_t state = q.optimizer.kind == OptimizerKind::adamw ? 8 : q.optimizer.momentum != 0.0 ? 4 : 0;
+  const auto& o = q.options;
+  MemoryPrediction out;
+  const std::vector<int64_t>& numel = units.numel;
+
+  // Every strategy's model is built in host memory first (fp32), whatever it keeps there later.
+  const MemoryPart built{"model as built", 4 * P};
+  // AdamW's update of one tensor takes temporaries about twice its size.
+  const auto step_temporaries = [&](int64_t widest) { return state > 0 ? 2 * 4 * widest : 0; };
+
+  if (kBaseline.count(q.strategy)) {
+    const bool recompute = q.strategy == "baseline_checkpoint" || option_is(o, "checkpoint", "1", false);
+    out.resident_param_bytes = out.peak_param_bytes = 4 * P;
+    // Backward frees activations as it fills gradients: the peak holds about the larger of the two.
+    out.device = {{"params", 4 * P},
+                  {"optimizer", state * P},
+                  {"compute copies", compute < 4 ? compute * P : 0},
+                  {"grads or activations", std::max(4 * P, activation_bytes(sizes, q.batch, compute, recompute))},
+                  {"step temporaries", step_temporaries(sizes.largest_tensor)}};
+    out.host = {built};
+    return out;
+  }
+
+  if (kHookOffload.count(q.strategy)) {
+    const int64_t prefetch = option_int(o, "prefetch", q.strategy == "hook_offload_sync" ? 0 : 2);
+    const bool recompute = option_is(o, "activations", "recompute", true);
+    const bool overlap = option_is(o, "overlap_optimizer", "1", q.strategy == "hook_offload_overlap");
+    const bool carried = option_is(o, "carry_tied", "1", q.strategy != "hook_offload_sync");
+    STRATA_CHECK(!o.count("resident"), "memory model: hook_offload with resident blocks is not modelled");
+    // At rest: the windows optimizer_step fetched for the next forward (opening: prefetch + 1);
+    // none with overlap_optimizer, whose updates run as gradients land.
+    const int64_t opening = prefetch > 0 && !overlap ? prefetch + 1 : 0;
+    out.resident_param_bytes = opening > 0 ? windows_bytes(units, 0, opening - 1, transfer, numel) : 0;
+    // At the peak: the computing window and those prefetched, the tied matrix carried between uses.
+    const int64_t shared = sizes.shared_params > 0 && carried ? 0 : -1;  // units_of puts it first
+    out.peak_param_bytes = std::max(out.resident_param_bytes, widest_span(units, prefetch + 1, transfer, numel, shared));
+    int64_t widest_unit = 0;
+    for (auto n : numel) widest_unit = std::max(widest_unit, n);
+    out.device = {{"windows", out.peak_param_bytes},
+                  {"gradient", 4 * widest_unit},
+                  {"activations", activation_bytes(sizes, q.batch, compute, recompute)}};
+    out.host = {built,
+                {"masters", 4 * P},
+                {"grads", 4 * P},
+                {"optimizer", state * P},
+                {"travel copies", transfer < 4 ? transfer * P : 0},
+                {"tied spares", overlap && sizes.shared_params > 0 ? (4 + state + (transfer < 4 ? transfer : 0)) * sizes.shared_params : 0}};
+    return out;
+  }
+
+  // sharded in a world of one: each unit's shard is the whole unit.
+  const bool offload = option_is(o, "offload", "1", q.strategy == "sharded_offload");
+  const bool recompute = option_is(o, "activations", "recompute", true);
+  const bool reshard = option_is(o, "reshard_after_forward", "1", true);
+  const int64_t prefetch = option_int(o, "prefetch", 1);
+  const bool aliased = !offload && q.precision.transfer == torch::kFloat;  // fp32 units are their shards
+  const int64_t shards = 4 * P;
+  out.resident_param_bytes = offload ? 0 : shards;
+  int64_t gathered = 0;
+  if (!aliased)
+    gathered = reshard ? widest_span(units, prefetch + 1, transfer, numel)
+                       : windows_bytes(units, 0, static_cast<int64_t>(units.window.size()) - 1, transfer, numel);
+  out.peak_param_bytes = out.resident_param_bytes + gathered;
+  int64_t widest_window = 0;
+  for (int64_t b = 0; b < static_cast<int64_t>(units.window.size()); ++b)
+    widest_window = std::max(widest_window, windows_bytes(units, b, b, 4, numel));
+  int64_t widest_unit = 0;
+  for (auto n : numel) widest_unit = std::max(widest_unit, n);
+  const int64_t activations = activation_bytes(sizes, q.batch, compute, recompute);
+  out.device = {{"shards", offload ? 0 : shards},
+                {"optimizer", offload ? 0 : state * P},
+                {offload ? "activations" : "grads or activations", offload ? activations : std::max(4 * P, activations)},
+                {"gathered", gathered},
+                {"gradient", widest_window},
+                {"step temporaries", offload ? 0 : step_temporaries(widest_unit)}};
+  out.host = {built};
+  if (offload)
+    out.host.insert(out.host.end(), {{"shards", shards}, {"grads", 4 * P}, {"optimizer", state * P},
+                                     {"travel copies", transfer < 4 ? transfer * P : 0}});
+  return out;
+}
+
+}  // namespace strata::bench
