@@ -14,9 +14,11 @@
 // one (the allocator's error, the --host-memory cap, or the process killed by SIGKILL, which the
 // kernel's out-of-memory killer sends), is the answer "does not fit"; anything else is an error
 // that ends that strategy's search. --device-memory caps the CUDA caching allocator (its memory
-// fraction) to emulate a smaller card; --host-memory caps what a probe's process may add to its
-// resident memory after start-up (LibTorch and CUDA loaded), which includes building the model on
-// the host (4 bytes a parameter) for every strategy.
+// fraction) to emulate a smaller card (the CUDA context and libraries' workspaces sit outside that
+// cap, so a real card of that size holds a little less); --host-memory caps what a probe's process
+// may add to its resident memory after start-up (LibTorch and CUDA loaded), which includes building
+// the model on the host (4 bytes a parameter) for every strategy. The parity check runs in a child
+// process too, so this one holds no device memory while probes run.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -24,6 +26,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -50,7 +54,7 @@ struct Args {
   std::string precision_text = "fp32";
   std::map<std::string, std::string> options;
   // A probe's own (the parent passes them).
-  bool probe = false, predict_only = false;
+  bool probe = false, parity = false, predict_only = false;
   std::string strategy, config;
 };
 
@@ -63,10 +67,12 @@ const char* kUsage =
     "       strata_capacity --fit=PRESET [--scale=AXIS --size=N] [the same options]\n"
     "       strata_capacity --predict [--size=N] [the same options]\n"
     "  --scale         the axis searched: depth (layers), width (a multiple of heads x 8), classes (bert)\n"
-    "  --min, --max    the sizes searched (default: the axis' step, and twice the predicted largest)\n"
+    "  --min, --max    the sizes searched (default: the axis' step; twice the memory model's largest, or\n"
+    "                  four times the preset's size where the strategy is not modelled)\n"
     "  --resolution    stop when the largest that trains and the smallest that does not are this close\n"
     "  --steps         timed training steps per probe, after one warm-up step\n"
-    "  --device-memory emulate a card of this many GiB (the CUDA caching allocator's cap)\n"
+    "  --device-memory emulate a card of this many GiB: the CUDA caching allocator's cap (the CUDA\n"
+    "                  context and libraries' workspaces sit outside it, so a real card that size holds less)\n"
     "  --host-memory   cap what a probe may add to its host memory, in GiB\n"
     "  --timeout       seconds a probe may run before it is stopped (an error)\n"
     "  --fit           which strategies train this preset here, fastest first\n"
@@ -88,6 +94,8 @@ Args parse_args(int argc, char** argv) {
       std::exit(0);
     } else if (arg == "--probe") {
       a.probe = true;
+    } else if (arg == "--parity") {
+      a.parity = true;
     } else if (arg == "--predict") {
       a.predict_only = true;
     } else if (const char* v = value("device")) {
@@ -171,6 +179,14 @@ int64_t meminfo_field(const char* field) {
   return 0;
 }
 
+// Which memory ran out, from the error's text: the CUDA caching allocator's own message names the
+// device; a failed pinned (cudaHostAlloc) or ordinary host allocation is the host's.
+bench::ProbeOutcome classify(const std::string& what) {
+  if (what.find("CUDA out of memory") != std::string::npos) return bench::ProbeOutcome::device_oom;
+  if (bench::is_oom(what) || what.find("bad_alloc") != std::string::npos) return bench::ProbeOutcome::host_oom;
+  return bench::ProbeOutcome::error;
+}
+
 std::string probe_line(const bench::Probe& p) {
   std::ostringstream out;
   out << kProbeTag << "outcome=" << static_cast<int>(p.outcome) << " step_ms=" << p.step_ms
@@ -206,9 +222,13 @@ bench::Probe parse_probe_line(const std::string& line) {
 
 // The probe itself, in its own process: one model size, one strategy.
 int run_probe(const Args& a) {
+  const auto dev = device::parse(a.device);
+  if (a.device_memory_gib > 0) device::limit_memory(dev, static_cast<int64_t>(a.device_memory_gib * kGiB));
+  // The host's start line: LibTorch and, on a GPU, the CUDA context loaded.
+  if (dev.is_cuda()) device::allocator_stats(dev);
   const int64_t base = rss_bytes();
+  const auto cap = static_cast<int64_t>(a.host_memory_gib * kGiB);
   if (a.host_memory_gib > 0) {
-    const auto cap = static_cast<int64_t>(a.host_memory_gib * kGiB);
     std::thread([base, cap] {
       for (;;) {
         const auto grown = rss_bytes() - base;
@@ -225,8 +245,6 @@ int run_probe(const Args& a) {
       }
     }).detach();
   }
-  const auto dev = device::parse(a.device);
-  if (a.device_memory_gib > 0) device::limit_memory(dev, static_cast<int64_t>(a.device_memory_gib * kGiB));
   at::globalContext().setAllowTF32CuBLAS(true);
   at::globalContext().setAllowTF32CuDNN(true);
   bench::Probe p;
@@ -255,98 +273,161 @@ int run_probe(const Args& a) {
     p.step_ms = bench::median(ms);
     p.peak_device = bench::peaks_of(strategy->stats()).allocated;
     p.outcome = bench::ProbeOutcome::trains;
+  } catch (const std::bad_alloc&) {
+    p.message = "std::bad_alloc: a host allocation failed";
+    p.outcome = bench::ProbeOutcome::host_oom;
   } catch (const std::exception& e) {
     p.message = bench::for_the_user(e.what());
-    if (!bench::is_oom(p.message))
-      p.outcome = bench::ProbeOutcome::error;
-    else
-      p.outcome = dev.is_cuda() && p.message.find("can't allocate memory") == std::string::npos
-                      ? bench::ProbeOutcome::device_oom
-                      : bench::ProbeOutcome::host_oom;
+    p.outcome = classify(p.message);
     if (dev.is_cuda()) p.peak_device = device::allocator_stats(dev).peak_allocated;
     if (p.message.size() > 300) p.message = p.message.substr(0, 300) + "...";
   }
   p.peak_host = peak_rss_bytes() - base;
+  if (a.host_memory_gib > 0 && p.peak_host > cap && fits(p.outcome)) {  // a peak between the watchdog's looks
+    p.outcome = bench::ProbeOutcome::host_oom;
+    p.message = "the host memory cap (--host-memory) was passed: " + std::to_string(p.peak_host) + " bytes above start";
+  }
   const auto line = probe_line(p);
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fflush(stdout);
   return 0;
 }
 
-// One probe in a child process (this binary with --probe); its last lines on a failure.
-bench::Probe spawn_probe(const Args& a, const std::string& strategy, const models::ModelConfig& config,
-                         int64_t batch) {
-  std::vector<std::string> args = {"/proc/self/exe", "--probe", "--strategy=" + strategy,
-                                   "--config=" + config.to_string(), "--device=" + a.device,
-                                   "--batch=" + std::to_string(batch), "--precision=" + a.precision_text,
-                                   "--optimizer=" + a.optimizer, "--steps=" + std::to_string(a.steps)};
-  if (!a.options_text.empty()) args.push_back("--options=" + a.options_text);
-  if (a.device_memory_gib > 0) args.push_back("--device-memory=" + std::to_string(a.device_memory_gib));
-  if (a.host_memory_gib > 0) args.push_back("--host-memory=" + std::to_string(a.host_memory_gib));
+// This binary again in a child process, its stdout and stderr read until it ends or `timeout_s`
+// passes (then it is killed).
+struct Child {
+  std::string output;
+  int status = 0;
+  bool timed_out = false;
+};
+Child run_child(std::vector<std::string> args, int64_t timeout_s) {
   std::vector<char*> argv;
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
   int fds[2];
-  STRATA_CHECK(pipe(fds) == 0, "strata_capacity: no pipe for a probe");
+  STRATA_CHECK(pipe2(fds, O_CLOEXEC) == 0, "strata_capacity: no pipe for a probe");
   std::fflush(stdout);
   const pid_t pid = fork();
-  STRATA_CHECK(pid >= 0, "strata_capacity: could not start a probe");
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    STRATA_FAIL("strata_capacity: could not start a probe");
+  }
   if (pid == 0) {
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
-    close(fds[0]);
-    close(fds[1]);
-    execv(argv[0], argv.data());
+    // Were the host to run out, the kernel's killer should pick the probe, not this process.
+    if (FILE* f = std::fopen("/proc/self/oom_score_adj", "w")) std::fputs("500", f), std::fclose(f);
+    execv("/proc/self/exe", argv.data());
     _exit(127);
   }
   close(fds[1]);
-  std::string output;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.timeout_s);
-  bool timed_out = false;
+  Child c;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
   for (;;) {
     pollfd pfd{fds[0], POLLIN, 0};
     const int ready = poll(&pfd, 1, 200);
     if (ready > 0) {
       char buf[4096];
       const auto n = read(fds[0], buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
-      output.append(buf, static_cast<size_t>(n));
+      c.output.append(buf, static_cast<size_t>(n));
     }
     if (std::chrono::steady_clock::now() > deadline) {
       kill(pid, SIGKILL);
-      timed_out = true;
+      c.timed_out = true;
       break;
     }
   }
   close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
+  while (waitpid(pid, &c.status, 0) < 0 && errno == EINTR) {
+  }
+  return c;
+}
+
+std::string how_it_ended(int status) {
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "exit status " + std::to_string(WEXITSTATUS(status));
+}
+
+std::string tail_of(const std::string& output) {
+  auto tail = output.size() > 400 ? output.substr(output.size() - 400) : output;
+  for (auto& ch : tail)
+    if (ch == '\n') ch = ' ';
+  return tail;
+}
+
+std::vector<std::string> child_args(const Args& a, const char* mode, const std::string& strategy,
+                                    const models::ModelConfig& config, int64_t batch) {
+  std::vector<std::string> args = {"strata_capacity", mode, "--strategy=" + strategy,
+                                   "--config=" + config.to_string(), "--device=" + a.device,
+                                   "--batch=" + std::to_string(batch), "--precision=" + a.precision_text,
+                                   "--optimizer=" + a.optimizer, "--steps=" + std::to_string(a.steps)};
+  if (!a.options_text.empty()) args.push_back("--options=" + a.options_text);
+  if (a.device_memory_gib > 0) args.push_back("--device-memory=" + std::to_string(a.device_memory_gib));
+  if (a.host_memory_gib > 0) args.push_back("--host-memory=" + std::to_string(a.host_memory_gib));
+  return args;
+}
+
+// One probe in a child process (this binary with --probe); its last lines on a failure.
+bench::Probe spawn_probe(const Args& a, const std::string& strategy, const models::ModelConfig& config,
+                         int64_t batch) {
+  const auto c = run_child(child_args(a, "--probe", strategy, config, batch), a.timeout_s);
   bench::Probe p;
-  const auto tag = output.rfind(kProbeTag);
-  if (timed_out) {
+  const auto tag = c.output.rfind(kProbeTag);
+  if (c.timed_out) {
     p.outcome = bench::ProbeOutcome::error;
     p.message = "timed out after " + std::to_string(a.timeout_s) + " s (--timeout)";
   } else if (tag != std::string::npos) {
-    const auto end = output.find('\n', tag);
-    p = parse_probe_line(output.substr(tag, end == std::string::npos ? std::string::npos : end - tag));
-  } else if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+    const auto end = c.output.find('\n', tag);
+    p = parse_probe_line(c.output.substr(tag, end == std::string::npos ? std::string::npos : end - tag));
+  } else if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGKILL) {
     p.outcome = bench::ProbeOutcome::host_oom;
     p.message = "killed by SIGKILL (the kernel's out-of-memory killer, most likely)";
   } else {
     p.outcome = bench::ProbeOutcome::error;
-    auto tail = output.size() > 400 ? output.substr(output.size() - 400) : output;
-    for (auto& ch : tail)
-      if (ch == '\n') ch = ' ';
-    p.message = "the probe ended without a result (status " + std::to_string(status) + "): " + tail;
+    p.message = "the probe ended without a result (" + how_it_ended(c.status) + "): " + tail_of(c.output);
   }
   return p;
+}
+
+// The parity check on the tiny model of the same kind, in a child process too: the parent holds
+// no device memory (no CUDA context) while probes run.
+constexpr const char* kParityTag = "strata_capacity parity: ";
+correctness::ParityResult spawn_parity(const Args& a, const std::string& strategy, const models::ModelConfig& config) {
+  const auto c = run_child(child_args(a, "--parity", strategy, config, 1), std::max<int64_t>(a.timeout_s, 600));
+  const auto tag = c.output.rfind(kParityTag);
+  if (tag == std::string::npos)
+    return {false, "the check ended without a result (" + how_it_ended(c.status) + "): " + tail_of(c.output)};
+  const auto end = c.output.find('\n', tag);
+  const auto verdict = c.output.substr(tag + std::strlen(kParityTag),
+                                       end == std::string::npos ? std::string::npos : end - tag - std::strlen(kParityTag));
+  if (verdict == "ok") return {true, ""};
+  return {false, verdict};
+}
+
+int run_parity(const Args& a) {
+  const auto dev = device::parse(a.device);
+  const auto config = models::ModelConfig::parse(a.config);
+  correctness::ParityResult r;
+  try {
+    r = bench::check_before_timing(a.strategy, config, bench::options_for(a.options, a.strategy), dev, a.precision);
+  } catch (const std::exception& e) {
+    r = {false, std::string("the check could not run: ") + bench::for_the_user(e.what())};
+  }
+  std::string line = kParityTag + (r.ok ? std::string("ok") : r.message);
+  for (auto& ch : line)
+    if (ch == '\n') ch = ' ';
+  std::printf("%s\n", line.c_str());
+  return 0;
 }
 
 std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (char ch : s) {
     if (ch == '"' || ch == '\\') out += '\\', out += ch;
-    else if (static_cast<unsigned char>(ch) < 0x20) out += ' ';
+    else if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x80) out += ' ';
     else out += ch;
   }
   return out + "\"";
@@ -356,7 +437,7 @@ std::string probe_json(const std::string& strategy, const bench::Probe& p, const
   std::ostringstream out;
   out << "{\"strategy\": " << json_string(strategy) << ", \"size\": " << p.size << ", \"outcome\": "
       << json_string(bench::to_string(p.outcome)) << ", \"parameters\": " << p.parameters
-      << ", \"step_ms\": " << p.step_ms << ", \"peak_device_bytes\": " << p.peak_device
+      << ", \"step_ms\": " << (std::isfinite(p.step_ms) ? p.step_ms : 0.0) << ", \"peak_device_bytes\": " << p.peak_device
       << ", \"peak_host_bytes\": " << p.peak_host;
   if (predicted)
     out << ", \"predicted_device_bytes\": " << predicted->device_bytes()
@@ -368,6 +449,7 @@ std::string probe_json(const std::string& strategy, const bench::Probe& p, const
 int run(int argc, char** argv) {
   const auto a = parse_args(argc, argv);
   if (a.probe) return run_probe(a);
+  if (a.parity) return run_parity(a);
   const auto dev = device::parse(a.device);
   const auto preset = models::preset(a.fit.empty() ? a.model : a.fit);
   const auto axis = bench::axis_for(a.scale, preset.config);
@@ -379,6 +461,10 @@ int run(int argc, char** argv) {
   for (const auto& s : strategies) Registry::description(s);  // unknown names fail before any work
   STRATA_CHECK(a.device_memory_gib == 0 || dev.is_cuda(),
                "--device-memory emulates a smaller GPU; on " << dev << " the host's memory is the device's (--host-memory)");
+  if (a.device_memory_gib > 0 && !a.predict_only)
+    STRATA_CHECK(a.device_memory_gib * kGiB <= static_cast<double>(device::total_memory(dev)),
+                 "--device-memory=" << a.device_memory_gib << " is more than " << dev << "'s "
+                                    << device::total_memory(dev) / kGiB << " GiB");
   // What a probe may hold: the emulated card, else the whole one; the host's cap, else what is free.
   const int64_t host_limit = a.host_memory_gib > 0 ? static_cast<int64_t>(a.host_memory_gib * kGiB)
                                                    : meminfo_field("MemAvailable:");
@@ -391,11 +477,17 @@ int run(int argc, char** argv) {
               host_limit / kGiB, a.host_memory_gib > 0 ? " (capped)" : " (available)");
   std::fflush(stdout);
 
+  // The memory model's answer, or none (with why) for a strategy or setting it does not model.
+  std::string unmodelled;
   auto predict = [&](const std::string& strategy, const models::ModelConfig& config) -> std::optional<bench::MemoryPrediction> {
-    if (!bench::memory_model_covers(strategy)) return std::nullopt;
     bench::MemoryQuestion q{strategy, bench::options_for(a.options, strategy), config, batch, a.precision, {}};
     q.optimizer.kind = parse_optimizer_kind(a.optimizer);
-    return bench::predict_memory(q);
+    try {
+      return bench::predict_memory(q);
+    } catch (const Error& e) {
+      unmodelled = bench::for_the_user(e.what());
+      return std::nullopt;
+    }
   };
   auto predicted_fits = [&](const bench::MemoryPrediction& m) {
     return dev.is_cuda() ? m.device_bytes() <= device_limit && m.host_bytes() <= host_limit
@@ -421,8 +513,9 @@ int run(int argc, char** argv) {
   // The JSON, rewritten after each strategy: a run cut short keeps what it found.
   auto write_json = [&] {
     if (a.json.empty()) return;
-    std::ofstream out(a.json);
-    STRATA_CHECK(out, "--json=" << a.json << ": cannot write it");
+    const auto partial = a.json + ".partial";  // renamed over the last whole file once written
+    std::ofstream out(partial);
+    STRATA_CHECK(out, "--json=" << a.json << ": cannot write " << partial);
     out << "{\n\"context\": {\"strata_device\": " << json_string(dev.str())
         << ", \"device_name\": " << json_string(dev.is_cuda() ? device::name(dev) : "cpu")
         << ", \"device_memory_bytes\": " << device_limit << ", \"device_memory_emulated\": " << (a.device_memory_gib > 0 ? "true" : "false")
@@ -435,13 +528,15 @@ int run(int argc, char** argv) {
     out << "],\n\"probes\": [\n";
     for (size_t i = 0; i < probes.size(); ++i) out << "  " << probes[i] << (i + 1 < probes.size() ? ",\n" : "\n");
     out << "]\n}\n";
+    out.close();
+    STRATA_CHECK(out && std::rename(partial.c_str(), a.json.c_str()) == 0, "--json=" << a.json << ": cannot write it");
   };
   if (a.predict_only) {
     const int64_t size = a.size > 0 ? a.size : axis.of(preset.config);
     for (const auto& strategy : strategies) {
       const auto m = predict(strategy, axis.at(preset.config, size));
       if (!m) {
-        std::printf("[%s] not modelled\n", strategy.c_str());
+        std::printf("[%s] not modelled: %s\n", strategy.c_str(), unmodelled.c_str());
         continue;
       }
       std::printf("[%s] %s=%ld: %s; predicted largest %s=%ld\n", strategy.c_str(), axis.name.c_str(),
@@ -452,16 +547,12 @@ int run(int argc, char** argv) {
   }
   write_json();  // the context at once
   for (const auto& strategy : strategies) {
-    const auto options = bench::options_for(a.options, strategy);
-    correctness::ParityResult parity;
-    try {
-      parity = bench::check_before_timing(strategy, preset.config, options, dev, a.precision);
-    } catch (const std::exception& e) {
-      parity = {false, std::string("the check could not run: ") + e.what()};
-    }
-    device::release_cached_memory(dev);  // what the check cached is not the probes' to lose
+    const auto parity = spawn_parity(a, strategy, preset.config);
     if (!parity.ok) {
       std::printf("[%s] parity failed on the tiny model: %s\n", strategy.c_str(), parity.message.c_str());
+      bench::Probe none;
+      none.message = "parity failed: " + parity.message;
+      fitted.emplace_back(strategy, none);
       rows.push_back("{\"name\": " + json_string("capacity/" + strategy) + ", \"error_message\": " +
                      json_string("parity failed: " + parity.message) + "}");
       ++failed;
@@ -484,6 +575,7 @@ int run(int argc, char** argv) {
         std::printf(" %s: %s\n", bench::to_string(p.outcome), p.message.c_str());
       std::fflush(stdout);
       probes.push_back(probe_json(strategy, p, m ? &*m : nullptr));
+      write_json();  // every probe kept as it ends
       return p;
     };
 
@@ -496,25 +588,35 @@ int run(int argc, char** argv) {
       row << "{\"name\": " << json_string("fit/" + strategy + "/" + preset.name) << ", \"strategy\": "
           << json_string(strategy) << ", \"outcome\": " << json_string(bench::to_string(p.outcome))
           << ", \"parameters\": " << p.parameters << ", \"step_ms\": " << p.step_ms
-          << ", \"peak_device_bytes\": " << p.peak_device << ", \"peak_host_bytes\": " << p.peak_host << "}";
+          << ", \"peak_device_bytes\": " << p.peak_device << ", \"peak_host_bytes\": " << p.peak_host
+          << ", \"message\": " << json_string(p.message) << "}";
       rows.push_back(row.str());
       write_json();
       continue;
     }
 
     // The predicted frontier first (no process: the memory model alone); it brackets the search.
-    const int64_t lo_k = std::max<int64_t>(1, (a.min > 0 ? a.min : axis.unit) / axis.unit);
+    // Sizes are multiples of the axis' step: --min rounds up to one, --max down.
+    const int64_t lo_k = std::max<int64_t>(1, ((a.min > 0 ? a.min : axis.unit) + axis.unit - 1) / axis.unit);
     const int64_t predicted = predicted_largest(strategy, lo_k);
     const int64_t predicted_k = predicted > 0 ? predicted / axis.unit : -1;
     int64_t hi_k = a.max > 0 ? a.max / axis.unit
                    : predicted_k > 0 ? 2 * predicted_k
                                      : 4 * axis.of(preset.config) / axis.unit;
-    hi_k = std::max(hi_k, lo_k);
+    STRATA_CHECK(hi_k >= lo_k, "--min=" << a.min << " and --max=" << a.max << " leave no " << axis.name
+                                       << " to search (sizes are multiples of " << axis.unit << ")");
     const int64_t resolution = a.resolution > 0 ? std::max<int64_t>(1, a.resolution / axis.unit)
                                : axis.name == "classes" ? std::max<int64_t>(1, (hi_k - lo_k) / 128)
                                                         : 1;
     const auto f = bench::bisect(lo_k, hi_k, resolution, [&](int64_t k) { return probe_at(k * axis.unit); });
-    if (!f.stopped.empty()) ++failed;
+    // The search's own words count in multiples of the step; an error is told at its real size.
+    std::string stopped;
+    if (!f.stopped.empty()) {
+      ++failed;
+      const auto& last = f.probes.back();
+      stopped = axis.name + "=" + std::to_string(last.size * axis.unit) + ": " + last.message;
+    }
+    const bool upper_end = f.largest == hi_k;
     std::ostringstream row;
     row << "{\"name\": " << json_string("capacity/" + strategy + "/" + preset.name + "/" + axis.name)
         << ", \"strategy\": " << json_string(strategy) << ", \"axis\": " << json_string(axis.name);
@@ -531,18 +633,18 @@ int run(int argc, char** argv) {
         row << ", \"predicted_device_bytes\": " << m->device_bytes() << ", \"predicted_host_bytes\": " << m->host_bytes();
     }
     row << ", \"next\": " << next_size << ", \"next_outcome\": "
-        << json_string(next ? bench::to_string(next->outcome) : best ? "the upper end trains" : "");
+        << json_string(next ? bench::to_string(next->outcome) : upper_end ? "the upper end trains" : "");
     row << ", \"predicted_largest\": " << (predicted_k > 0 ? predicted_k * axis.unit : -1);
-    if (!f.stopped.empty()) row << ", \"error_message\": " << json_string("error: " + f.stopped);
+    if (!stopped.empty()) row << ", \"error_message\": " << json_string("error: " + stopped);
     row << "}";
     rows.push_back(row.str());
     write_json();
     std::printf("[%s] largest that trains: %s=%ld%s (predicted %ld)%s\n", strategy.c_str(), axis.name.c_str(),
                 static_cast<long>(best_size),
                 next ? (", next " + std::to_string(next_size) + ": " + bench::to_string(next->outcome)).c_str()
-                     : best ? " (the upper end: raise --max)" : "",
+                     : upper_end ? " (the upper end: raise --max)" : "",
                 static_cast<long>(predicted_k > 0 ? predicted_k * axis.unit : -1),
-                f.stopped.empty() ? "" : ("; stopped: " + f.stopped).c_str());
+                stopped.empty() ? "" : ("; stopped: " + stopped).c_str());
     std::fflush(stdout);
   }
 
@@ -554,7 +656,8 @@ int run(int argc, char** argv) {
         std::printf("  %-22s %10.1f ms a step, peak %.2f GiB device, %.2f GiB host\n", strategy.c_str(), p.step_ms,
                     p.peak_device / kGiB, p.peak_host / kGiB);
       else
-        std::printf("  %-22s %s\n", strategy.c_str(), bench::to_string(p.outcome));
+        std::printf("  %-22s %s\n", strategy.c_str(),
+                    p.outcome == bench::ProbeOutcome::error ? p.message.c_str() : bench::to_string(p.outcome));
     }
   }
   return failed > 0 ? 1 : 0;

@@ -15,6 +15,11 @@ namespace {
 const std::set<std::string> kHookOffload = {"hook_offload", "hook_offload_overlap", "hook_offload_sync"};
 const std::set<std::string> kSharded = {"sharded", "sharded_offload"};
 const std::set<std::string> kBaseline = {"baseline", "baseline_checkpoint"};
+// On one device these hold what baseline holds: every parameter, its gradient and optimizer state,
+// and (an upper bound for schedules that keep fewer micro-batches in flight) every block's saved
+// activations for the whole batch.
+const std::set<std::string> kWholeOnOneDevice = {"manual_split", "pipeline_1f1b", "pipeline_gpipe",
+                                                 "pipeline_interleaved", "pipeline_zero_bubble", "pipeline_custom"};
 
 int64_t option_int(const std::map<std::string, std::string>& options, const std::string& key, int64_t fallback) {
   const auto it = options.find(key);
@@ -139,14 +144,13 @@ std::string MemoryPrediction::summary() const {
 }
 
 bool memory_model_covers(const std::string& strategy) {
-  return kHookOffload.count(strategy) || kSharded.count(strategy) || kBaseline.count(strategy);
+  return kHookOffload.count(strategy) || kSharded.count(strategy) || kBaseline.count(strategy) ||
+         kWholeOnOneDevice.count(strategy);
 }
 
 MemoryPrediction predict_memory(const MemoryQuestion& q) {
   STRATA_CHECK(memory_model_covers(q.strategy),
-               "memory model: strategy '" << q.strategy
-                                          << "' is not modelled (baseline, baseline_checkpoint, hook_offload, "
-                                             "hook_offload_overlap, hook_offload_sync, sharded, sharded_offload are)");
+               "memory model: strategy '" << q.strategy << "' is not modelled");
   STRATA_CHECK(q.batch >= 1, "memory model: batch=" << q.batch << " must be at least 1");
   const auto sizes = models::model_sizes(q.model);
   const auto units = units_of(sizes);
@@ -163,15 +167,26 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
   // AdamW's update of one tensor takes temporaries about twice its size.
   const auto step_temporaries = [&](int64_t widest) { return state > 0 ? 2 * 4 * widest : 0; };
 
-  if (kBaseline.count(q.strategy)) {
+  if (kWholeOnOneDevice.count(q.strategy)) {
+    const auto devices = o.find("devices");
+    STRATA_CHECK(devices == o.end() || devices->second.find(',') == std::string::npos,
+                 "memory model: " << q.strategy << " over several devices (devices=" << devices->second
+                                  << ") is not modelled, only on one device");
+    STRATA_CHECK(!o.count("classifier_shards") || o.at("classifier_shards") == "1",
+                 "memory model: " << q.strategy << " with classifier_shards is not modelled");
+  }
+  if (kBaseline.count(q.strategy) || kWholeOnOneDevice.count(q.strategy)) {
     const bool recompute = q.strategy == "baseline_checkpoint" || option_is(o, "checkpoint", "1", false);
-    out.resident_param_bytes = out.peak_param_bytes = 4 * P;
+    // manual_split keeps a replica of a tied matrix for the stage that does not own it, on one device too.
+    const int64_t replica = q.strategy == "manual_split" ? 4 * sizes.shared_params : 0;
+    out.resident_param_bytes = out.peak_param_bytes = 4 * P + replica;
     // Backward frees activations as it fills gradients: the peak holds about the larger of the two.
     out.device = {{"params", 4 * P},
                   {"optimizer", state * P},
                   {"compute copies", compute < 4 ? compute * P : 0},
                   {"grads or activations", std::max(4 * P, activation_bytes(sizes, q.batch, compute, recompute))},
-                  {"step temporaries", step_temporaries(sizes.largest_tensor)}};
+                  {"step temporaries", step_temporaries(sizes.largest_tensor)},
+                  {"tied replica and its gradient", 2 * replica}};
     out.host = {built};
     return out;
   }

@@ -41,8 +41,9 @@ struct MemoryQuestion {
   OptimizerConfig optimizer;
 };
 
-/// The strategies the model covers, in one process on one device: baseline, baseline_checkpoint,
-/// the hook_offload family, sharded and sharded_offload (a world of one). Others are an Error.
+/// Every registered strategy, in one process on one device: baseline, baseline_checkpoint, the
+/// hook_offload family, sharded and sharded_offload (a world of one), manual_split and the
+/// pipelines with every stage on that device. Several devices or ranks are an Error naming them.
 MemoryPrediction predict_memory(const MemoryQuestion& q);
 bool memory_model_covers(const std::string& strategy);
 

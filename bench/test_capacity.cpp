@@ -104,7 +104,13 @@ TEST(CapacitySearch, a_probe_that_errors_is_reported_as_such_and_ends_the_search
   EXPECT_THAT(f.stopped, HasSubstr("size 50: a stand-in failure"));
   EXPECT_EQ(f.failing, 100) << "an error is not taken for out of memory";
   EXPECT_EQ(f.largest, 1);
-  StandIn first{30, /*broken=*/1};
+  StandIn top(1000, /*broken=*/100);  // the largest asked errors: not an answer that it trains
+  const auto t = search(top, 1, 100, 1);
+  EXPECT_EQ(top.asked, (std::vector<int64_t>{1, 100}));
+  EXPECT_THAT(t.stopped, HasSubstr("size 100: a stand-in failure"));
+  EXPECT_EQ(t.largest, 1);
+  EXPECT_EQ(t.failing, -1);
+  StandIn first(30, /*broken=*/1);
   EXPECT_THAT(search(first, 1, 100, 1).stopped, HasSubstr("size 1: a stand-in failure"));
 }
 
@@ -202,7 +208,12 @@ TEST(MemoryModel, parameter_bytes_equal_each_strategys_own_accounting) {
                                    {"sharded", {}},
                                    {"sharded", {{"prefetch", "2"}}},
                                    {"sharded", {{"reshard_after_forward", "0"}}},
-                                   {"sharded_offload", {}}};
+                                   {"sharded_offload", {}},
+                                   {"manual_split", {}},
+                                   {"pipeline_1f1b", {}},
+                                   {"pipeline_gpipe", {}},
+                                   {"pipeline_interleaved", {}},
+                                   {"pipeline_zero_bubble", {}}};
   int checked = 0;
   for (const auto* preset : {"gpt-tiny", "bert-tiny", "gpt-cpu"})
     for (const auto* precision : {"fp32", "bf16"})
@@ -236,14 +247,19 @@ TEST(MemoryModel, parameter_bytes_equal_each_strategys_own_accounting) {
         EXPECT_EQ(predicted.peak_param_bytes, mem.peak_param_bytes);
         ++checked;
       }
-  EXPECT_EQ(checked, 66);
+  EXPECT_EQ(checked, 96);
 }
 
 TEST(MemoryModel, names_what_it_does_not_model) {
   MemoryQuestion q;
-  q.strategy = "pipeline_1f1b";
+  q.strategy = "nope";
   q.model = models::preset("gpt-tiny").config;
-  EXPECT_THAT([&] { predict_memory(q); }, ::testing::ThrowsMessage<Error>(HasSubstr("'pipeline_1f1b' is not modelled")));
+  EXPECT_THAT([&] { predict_memory(q); }, ::testing::ThrowsMessage<Error>(HasSubstr("'nope' is not modelled")));
+  q.strategy = "pipeline_1f1b";
+  q.options = {{"devices", "cuda:0,cuda:1"}};
+  EXPECT_THAT([&] { predict_memory(q); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("over several devices (devices=cuda:0,cuda:1) is not modelled")));
+  q.options.clear();
   q.strategy = "baseline";
   q.model = models::preset("mlp-tiny").config;
   EXPECT_THAT([&] { predict_memory(q); }, ::testing::ThrowsMessage<Error>(HasSubstr("gpt and bert")));
