@@ -6,10 +6,12 @@
 # machine measured 2.4 GFLOP/s against OpenBLAS's 134; a one-cell strata_bench run, 29.5 s against
 # 1.6 s). Its OpenMP build shares LibTorch's OpenMP threads instead of adding a pool of its own.
 # python3-yaml: ci/check_workflows.py parses .github/workflows/ (a CPU test).
+# python3-torch: PyTorch reads strata's checkpoint files (StateFiles.pytorch_loads_the_files), and
+# brings torchrun.
 set -euo pipefail
 packages=(build-essential cmake ninja-build ccache
           libtorch-dev libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev libbenchmark-tools librapidcheck-dev
-          libopenblas0-openmp python3 python3-matplotlib python3-yaml)
+          libopenblas0-openmp python3 python3-matplotlib python3-yaml python3-torch)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,186 @@
+// Checkpoint files (strategies/state_files.h): a round trip to the bit, the newest complete save
+// found, a save cut short leaving the one before whole, and every kind of bad input named. The
+// files are the host's: the same tests run under either label.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "correctness/support/errors.h"
+#include "models/check.h"
+#include "strategies/state_files.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// A fresh directory, removed at the end.
+struct TempDir {
+  TempDir() {
+    path = (fs::temp_directory_path() / ("strata-state-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(counter++)))
+               .string();
+    fs::remove_all(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+  static inline int counter = 0;
+};
+
+std::map<std::string, NamedTensors> some_state() {
+  torch::manual_seed(7);
+  return {{"rank0.pt",
+           {{"0.tokens", torch::randn({64, 32})},
+            {"1.qkv.weight/exp_avg", torch::randn({96, 32}).to(torch::kBFloat16)},
+            {"step", torch::tensor({12}, torch::kLong)}}},
+          {"rank1.pt", {{"2.weight", torch::randn({5})}}}};
+}
+
+state_files::Manifest manifest_at(int64_t step) {
+  state_files::Manifest m;
+  m.model = "gpt(depth=2 width=32 heads=4 vocab=64 seq_len=8 tied=1)";
+  m.strategy = "baseline";
+  m.world = 2;
+  m.step = step;
+  return m;
+}
+
+TEST(StateFiles, a_round_trip_keeps_every_tensor_to_the_bit_and_the_manifest) {
+  TempDir dir;
+  const auto files = some_state();
+  const auto saved = state_files::save(dir.path, manifest_at(12), files);
+  EXPECT_EQ(fs::path(saved).filename(), "step-000000012");
+  const auto m = state_files::read_manifest(saved);
+  EXPECT_EQ(m.model, manifest_at(12).model);
+  EXPECT_EQ(m.strategy, "baseline");
+  EXPECT_EQ(m.world, 2);
+  EXPECT_EQ(m.step, 12);
+  ASSERT_EQ(m.files.size(), 2u);
+  EXPECT_EQ(m.dtypes.at("1.qkv.weight/exp_avg"), "BFloat16");
+  for (const auto& [file, tensors] : files) {
+    const auto loaded = state_files::load_file(saved, m, file);
+    ASSERT_EQ(loaded.size(), tensors.size());
+    for (const auto& [name, t] : tensors) {
+      const auto it = std::find_if(loaded.begin(), loaded.end(), [&](const auto& p) { return p.first == name; });
+      ASSERT_NE(it, loaded.end()) << name;
+      EXPECT_EQ(it->second.scalar_type(), t.scalar_type()) << name;
+      EXPECT_TRUE(torch::equal(it->second, t)) << name;
+    }
+  }
+}
+
+TEST(StateFiles, the_latest_is_the_highest_complete_step_and_a_save_cut_short_leaves_it_whole) {
+  TempDir dir;
+  EXPECT_EQ(state_files::latest(dir.path), "");
+  state_files::save(dir.path, manifest_at(5), some_state());
+  const auto ten = state_files::save(dir.path, manifest_at(10), some_state());
+  EXPECT_EQ(state_files::latest(dir.path), ten);
+  // Step 20's save dies after its first file: step 10 stays the latest, whole.
+  state_files::SaveHooks die;
+  die.after_file = [](const std::string&) { STRATA_FAIL("killed during the save (injected)"); };
+  EXPECT_THROW(state_files::save(dir.path, manifest_at(20), some_state(), die), Error);
+  EXPECT_EQ(state_files::latest(dir.path), ten);
+  EXPECT_FALSE(fs::exists(fs::path(dir.path) / "step-000000020"));
+  const auto m = state_files::read_manifest(ten);
+  for (const auto& f : m.files) EXPECT_NO_THROW(state_files::load_file(ten, m, f.name));
+  // The next save of step 20 replaces what the cut one left.
+  EXPECT_EQ(state_files::latest(dir.path), ten);
+  const auto twenty = state_files::save(dir.path, manifest_at(20), some_state());
+  EXPECT_EQ(state_files::latest(dir.path), twenty);
+  EXPECT_THAT([&] { state_files::save(dir.path, manifest_at(20), some_state()); },
+              ThrowsMessage<Error>(HasSubstr("step-000000020 exists already")));
+}
+
+TEST(StateFiles, bad_input_is_named) {
+  TempDir dir;
+  const auto saved = state_files::save(dir.path, manifest_at(3), some_state());
+  const auto m = state_files::read_manifest(saved);
+  const auto file = (fs::path(saved) / "rank0.pt").string();
+  const auto size = fs::file_size(file);
+  std::vector<char> bytes(size);
+  std::ifstream(file, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(size));
+  auto rewrite = [&](const std::vector<char>& b) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
+  };
+  // A flipped byte: the checksum.
+  auto flipped = bytes;
+  flipped[size / 2] ^= 0x40;
+  rewrite(flipped);
+  EXPECT_THAT([&] { state_files::load_file(saved, m, "rank0.pt"); },
+              ThrowsMessage<Error>(HasSubstr("'rank0.pt' does not match its checksum")));
+  // Truncated.
+  rewrite(std::vector<char>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(size / 2)));
+  EXPECT_THAT([&] { state_files::load_file(saved, m, "rank0.pt"); },
+              ThrowsMessage<Error>(HasSubstr("'rank0.pt' is " + std::to_string(size / 2) + " bytes, its manifest says " +
+                                             std::to_string(size))));
+  // Missing.
+  fs::remove(file);
+  EXPECT_THAT([&] { state_files::load_file(saved, m, "rank0.pt"); },
+              ThrowsMessage<Error>(HasSubstr("file 'rank0.pt' is missing")));
+  EXPECT_THAT([&] { state_files::load_file(saved, m, "rank7.pt"); },
+              ThrowsMessage<Error>(HasSubstr("its manifest lists no file 'rank7.pt'")));
+  // A newer format, and no manifest at all.
+  auto text = m.to_text();
+  text.replace(0, text.find('\n'), "strata checkpoint 99");
+  EXPECT_THAT([&] { state_files::Manifest::parse(text, "here"); },
+              ThrowsMessage<Error>(HasSubstr("here: format 99 is newer than this strata reads (1)")));
+  EXPECT_THAT([&] { state_files::Manifest::parse("strata checkpoint 1\nworld two\n", "here"); },
+              ThrowsMessage<Error>(HasSubstr("here: line 2 ('world two') cannot be read")));
+  fs::remove(fs::path(saved) / "manifest.txt");
+  EXPECT_THAT([&] { state_files::read_manifest(saved); }, ThrowsMessage<Error>(HasSubstr("no manifest.txt")));
+  EXPECT_EQ(state_files::latest(dir.path), "") << "a checkpoint without its manifest is not complete";
+}
+
+TEST(StateFiles, another_models_tensors_are_named_with_their_shapes) {
+  const NamedTensors here = {{"0.tokens", torch::zeros({64, 48})}, {"1.bias", torch::zeros({4})}};
+  EXPECT_THAT([&] { state_files::check_matches(here, {{"0.tokens", torch::zeros({64, 32})}, {"1.bias", torch::zeros({4})}}, "load"); },
+              ThrowsMessage<Error>(HasSubstr("load: '0.tokens' is [64, 32] in the checkpoint, [64, 48] here")));
+  EXPECT_THAT([&] { state_files::check_matches(here, {{"0.tokens", torch::zeros({64, 48})}}, "load"); },
+              ThrowsMessage<Error>(HasSubstr("load: '1.bias' is not in the checkpoint")));
+  EXPECT_THAT([&] {
+    state_files::check_matches(here, {{"0.tokens", torch::zeros({64, 48})}, {"1.bias", torch::zeros({4})}, {"x", torch::zeros({1})}}, "load");
+  }, ThrowsMessage<Error>(HasSubstr("the checkpoint has 'x', which this model has not")));
+  EXPECT_NO_THROW(state_files::check_matches(here, here, "load"));
+}
+
+TEST(StateFiles, crc32_is_zlibs) {
+  // zlib.crc32(b"123456789") == 0xCBF43926, the check value of CRC-32/IEEE.
+  EXPECT_EQ(state_files::crc32("123456789", 9), 0xCBF43926u);
+}
+
+// PyTorch reads the files: torch.load returns the tensors, and the manifest's sizes and CRC-32
+// agree with zlib's (correctness/check_torch_load.py). Skipped where python3 has no torch.
+TEST(StateFiles, pytorch_loads_the_files) {
+  std::string python;
+  for (const char* candidate : {"python3", "/usr/bin/python3"})
+    if (std::system((std::string(candidate) + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0) {
+      python = candidate;
+      break;
+    }
+  if (python.empty()) GTEST_SKIP() << "no python3 with torch here (Debian: python3-torch; ci/setup.sh installs it)";
+  TempDir dir;
+  const auto files = some_state();
+  const auto saved = state_files::save(dir.path, manifest_at(1), files);
+  const auto out = (fs::path(dir.path) / "read.txt").string();
+  const auto command = python + " " + STRATA_SOURCE_DIR + "/correctness/check_torch_load.py " + saved + " > " +
+                       out + " 2>&1";
+  const int rc = std::system(command.c_str());
+  std::ifstream in(out);
+  const std::string printed((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_EQ(rc, 0) << printed;
+  for (const auto& [file, tensors] : files)
+    for (const auto& [name, t] : tensors) {
+      char sum[64];
+      std::snprintf(sum, sizeof sum, "%.6f", t.to(torch::kDouble).sum().item<double>());
+      EXPECT_THAT(printed, HasSubstr(name + " " + c10::toString(t.scalar_type()) + " "));
+      EXPECT_THAT(printed, HasSubstr(std::string(sum))) << name;
+    }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,210 @@
+#include "strategies/state_files.h"
+
+#include <torch/serialize.h>
+
+#include <array>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "models/check.h"
+
+namespace strata::state_files {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kHeader = "strata checkpoint";
+constexpr const char* kManifest = "manifest.txt";
+
+std::string step_name(int64_t step) {
+  std::ostringstream out;
+  out << "step-" << std::setw(9) << std::setfill('0') << step;
+  return out.str();
+}
+
+std::vector<char> read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  STRATA_CHECK(in, "checkpoint: cannot read " << path.string());
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_bytes(const fs::path& path, const char* data, size_t size) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(data, static_cast<std::streamsize>(size));
+  out.close();
+  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
+}
+
+std::string shape_of(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes();
+  return out.str();
+}
+
+}  // namespace
+
+uint32_t crc32(const char* data, size_t size, uint32_t crc) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ static_cast<unsigned char>(data[i])) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::string Manifest::to_text() const {
+  std::ostringstream out;
+  out << kHeader << " " << format << "\n"
+      << "model " << model << "\n"
+      << "strategy " << strategy << "\n"
+      << "layout " << layout << "\n"
+      << "world " << world << "\n"
+      << "step " << step << "\n";
+  for (const auto& f : files) out << "file " << f.name << " " << f.bytes << " " << std::hex << std::setw(8)
+                                  << std::setfill('0') << f.crc32 << std::dec << std::setfill(' ') << "\n";
+  for (const auto& [name, dtype] : dtypes) out << "dtype " << name << " " << dtype << "\n";
+  return out.str();
+}
+
+Manifest Manifest::parse(const std::string& text, const std::string& where) {
+  std::istringstream in(text);
+  std::string line;
+  STRATA_CHECK(std::getline(in, line) && line.rfind(kHeader, 0) == 0,
+               where << ": not a strata checkpoint manifest (its first line is '" << line << "')");
+  Manifest m;
+  try {
+    m.format = std::stoi(line.substr(std::string(kHeader).size()));
+  } catch (const std::exception&) {
+    STRATA_FAIL(where << ": no format number in '" << line << "'");
+  }
+  STRATA_CHECK(m.format <= kFormat, where << ": format " << m.format << " is newer than this strata reads ("
+                                          << kFormat << "); read it with the strata that wrote it");
+  int number = 1;
+  while (std::getline(in, line)) {
+    ++number;
+    if (line.empty()) continue;
+    const auto space = line.find(' ');
+    const auto key = line.substr(0, space), rest = space == std::string::npos ? "" : line.substr(space + 1);
+    try {
+      if (key == "model") m.model = rest;
+      else if (key == "strategy") m.strategy = rest;
+      else if (key == "layout") m.layout = rest;
+      else if (key == "world") m.world = std::stoi(rest);
+      else if (key == "step") m.step = std::stoll(rest);
+      else if (key == "file") {
+        std::istringstream f(rest);
+        FileEntry e;
+        std::string crc;
+        STRATA_CHECK(f >> e.name >> e.bytes >> crc, "three fields");
+        e.crc32 = static_cast<uint32_t>(std::stoul(crc, nullptr, 16));
+        m.files.push_back(e);
+      } else if (key == "dtype") {
+        const auto last = rest.rfind(' ');
+        STRATA_CHECK(last != std::string::npos, "two fields");
+        m.dtypes[rest.substr(0, last)] = rest.substr(last + 1);
+      } else {
+        STRATA_FAIL("unknown key");
+      }
+    } catch (const std::exception&) {
+      STRATA_FAIL(where << ": line " << number << " ('" << line << "') cannot be read");
+    }
+  }
+  return m;
+}
+
+std::string save(const std::string& dir, Manifest manifest, const std::map<std::string, NamedTensors>& files,
+                 const SaveHooks& hooks) {
+  STRATA_CHECK(!files.empty(), "checkpoint: nothing to save");
+  const fs::path root(dir), final_dir = root / step_name(manifest.step);
+  const fs::path partial = root / (step_name(manifest.step) + ".partial");
+  STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
+  fs::remove_all(partial);  // a save of this step cut short before
+  fs::create_directories(partial);
+  manifest.files.clear();
+  manifest.dtypes.clear();
+  for (const auto& [name, tensors] : files) {
+    STRATA_CHECK(name.find_first_of("/ \n") == std::string::npos && !name.empty() && name != kManifest,
+                 "checkpoint: file name '" << name << "' must be a plain name");
+    c10::Dict<std::string, torch::Tensor> dict;
+    for (const auto& [key, t] : tensors) {
+      STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in file " << name);
+      STRATA_CHECK(key.find_first_of(" \n") == std::string::npos, "checkpoint: tensor name '" << key << "' has a space");
+      dict.insert(key, t.detach().to(torch::kCPU).contiguous());
+      manifest.dtypes[key] = c10::toString(t.scalar_type());
+    }
+    const auto bytes = torch::pickle_save(c10::IValue(dict));
+    write_bytes(partial / name, bytes.data(), bytes.size());
+    manifest.files.push_back({name, static_cast<int64_t>(bytes.size()), crc32(bytes.data(), bytes.size())});
+    if (hooks.after_file) hooks.after_file(name);
+  }
+  const auto text = manifest.to_text();
+  write_bytes(partial / (std::string(kManifest) + ".tmp"), text.data(), text.size());
+  fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
+  fs::rename(partial, final_dir);
+  return final_dir.string();
+}
+
+std::string latest(const std::string& dir) {
+  if (!fs::is_directory(dir)) return "";
+  std::string best;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || name.find('.') != std::string::npos) continue;
+    if (!fs::exists(entry.path() / kManifest)) continue;
+    if (name > best) best = name;  // zero-padded steps: the text order is the steps' order
+  }
+  return best.empty() ? "" : (fs::path(dir) / best).string();
+}
+
+Manifest read_manifest(const std::string& checkpoint) {
+  const fs::path path = fs::path(checkpoint) / kManifest;
+  STRATA_CHECK(fs::exists(path), "checkpoint " << checkpoint << ": no " << kManifest
+                                               << " (a save cut short, or not a strata checkpoint)");
+  const auto bytes = read_bytes(path);
+  return Manifest::parse(std::string(bytes.begin(), bytes.end()), "checkpoint " + checkpoint);
+}
+
+NamedTensors load_file(const std::string& checkpoint, const Manifest& manifest, const std::string& file) {
+  const FileEntry* entry = nullptr;
+  for (const auto& f : manifest.files)
+    if (f.name == file) entry = &f;
+  STRATA_CHECK(entry, "checkpoint " << checkpoint << ": its manifest lists no file '" << file << "'");
+  const fs::path path = fs::path(checkpoint) / file;
+  STRATA_CHECK(fs::exists(path), "checkpoint " << checkpoint << ": file '" << file << "' is missing");
+  const auto bytes = read_bytes(path);
+  STRATA_CHECK(static_cast<int64_t>(bytes.size()) == entry->bytes,
+               "checkpoint " << checkpoint << ": '" << file << "' is " << bytes.size() << " bytes, its manifest says "
+                             << entry->bytes << " (truncated or replaced)");
+  const auto crc = crc32(bytes.data(), bytes.size());
+  STRATA_CHECK(crc == entry->crc32, "checkpoint " << checkpoint << ": '" << file << "' does not match its checksum (crc32 "
+                                                  << std::hex << crc << ", its manifest says " << entry->crc32 << ")");
+  const auto dict = torch::pickle_load(bytes).toGenericDict();
+  NamedTensors out;
+  for (const auto& item : dict) out.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+void check_matches(const NamedTensors& expected, const NamedTensors& loaded, const std::string& where) {
+  std::map<std::string, const torch::Tensor*> have;
+  for (const auto& [name, t] : loaded) have[name] = &t;
+  for (const auto& [name, t] : expected) {
+    const auto it = have.find(name);
+    STRATA_CHECK(it != have.end(), where << ": '" << name << "' is not in the checkpoint (another model?)");
+    STRATA_CHECK(it->second->sizes() == t.sizes(), where << ": '" << name << "' is " << shape_of(*it->second)
+                                                         << " in the checkpoint, " << shape_of(t)
+                                                         << " here (another model?)");
+    have.erase(it);
+  }
+  STRATA_CHECK(have.empty(), where << ": the checkpoint has '" << have.begin()->first << "', which this model has not");
+}
+
+}  // namespace strata::state_files

@@ -1,0 +1,71 @@
+#pragma once
+// Training-state checkpoints on disk: one directory per save, `DIR/step-<step>/`, holding files of
+// name -> tensor (LibTorch's torch::pickle_save of a dict, which Python's torch.load reads) and a
+// manifest written last. A save goes into `step-<step>.partial/` and the directory is renamed once
+// its manifest is written, so a save cut short (a crash, a dead rank) leaves the checkpoints before
+// it whole, and latest() never returns a partial one. Every file's size and CRC-32 are in the
+// manifest and checked on load; bad input is an Error naming what is wrong.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "strategies/strategy.h"
+
+namespace strata::state_files {
+
+/// The manifest format this strata writes and reads; a newer one is refused.
+inline constexpr int kFormat = 1;
+
+struct FileEntry {
+  std::string name;  ///< relative to the checkpoint's directory, e.g. "rank0.pt"
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+struct Manifest {
+  int format = kFormat;
+  std::string model;      ///< ModelConfig text (or a chain's)
+  std::string strategy;   ///< the registered name that saved it
+  std::string layout = "full";  ///< how tensors are split over the files ("full": each whole, once)
+  int world = 1;
+  int64_t step = 0;
+  std::vector<FileEntry> files;
+  std::map<std::string, std::string> dtypes;  ///< tensor name -> dtype, as saved
+
+  /// Line-oriented text ("strata checkpoint 1", then "key value" lines): easy to read from any
+  /// language; parse() names the line it cannot read.
+  std::string to_text() const;
+  static Manifest parse(const std::string& text, const std::string& where);
+};
+
+/// CRC-32 (IEEE, as zlib's crc32) of `size` bytes.
+uint32_t crc32(const char* data, size_t size, uint32_t crc = 0);
+
+struct SaveHooks {
+  /// Called after each file is written (its name): tests throw from it to cut a save short.
+  std::function<void(const std::string&)> after_file;
+};
+
+/// Saves `files` (file name -> tensors, each tensor copied to the host as it is) as the checkpoint
+/// of `manifest.step` under `dir` (created if absent) and returns its directory. The manifest's
+/// files and dtypes are filled in here. An existing checkpoint of that step is an Error.
+std::string save(const std::string& dir, Manifest manifest, const std::map<std::string, NamedTensors>& files,
+                 const SaveHooks& hooks = {});
+
+/// The newest complete checkpoint under `dir` (the highest step with a manifest), or "" if none.
+std::string latest(const std::string& dir);
+
+/// The manifest of the checkpoint in `checkpoint` (a directory save() returned).
+Manifest read_manifest(const std::string& checkpoint);
+
+/// One file of a checkpoint, its size and checksum checked against the manifest.
+NamedTensors load_file(const std::string& checkpoint, const Manifest& manifest, const std::string& file);
+
+/// Every tensor `expected` names is in `loaded` with the same shape (and nothing else is there):
+/// else an Error naming the first mismatch, e.g. "'0.tokens' is [64, 32] in the checkpoint, [64, 48]
+/// here" — a checkpoint of another model.
+void check_matches(const NamedTensors& expected, const NamedTensors& loaded, const std::string& where);
+
+}  // namespace strata::state_files
