@@ -248,6 +248,20 @@ torch::Tensor LossScaler::unscaled(const torch::Tensor& gradient) const {
   return enabled_ ? gradient * static_cast<float>(1.0 / scale_) : gradient;
 }
 
+torch::Tensor LossScaler::state() const {
+  return torch::tensor({scale_, static_cast<double>(good_in_a_row_), static_cast<double>(skipped_)}, torch::kDouble);
+}
+
+void LossScaler::restore(const torch::Tensor& state) {
+  STRATA_CHECK(state.numel() == 3 && state.scalar_type() == torch::kDouble,
+               "loss scaler: a saved state is 3 float64 values (scale, good steps in a row, skipped), not "
+                   << state.sizes() << " " << state.scalar_type());
+  const auto v = state.contiguous();
+  scale_ = v[0].item<double>();
+  good_in_a_row_ = static_cast<int64_t>(v[1].item<double>());
+  skipped_ = static_cast<int64_t>(v[2].item<double>());
+}
+
 void LossScaler::update(bool finite) {
   if (!enabled_) return;
   if (!finite) {

@@ -117,6 +117,9 @@ class LossScaler {
   /// After each optimizer step: `finite` false means the step was skipped.
   void update(bool finite);
   int64_t skipped_steps() const { return skipped_; }
+  /// {scale, good steps in a row, skipped steps}, for a checkpoint; restore() takes it back.
+  torch::Tensor state() const;
+  void restore(const torch::Tensor& state);
 
  private:
   bool enabled_ = false;

@@ -16,6 +16,14 @@ void Strategy::attach(models::BlockModel model) {
   attach_model(std::move(model));
 }
 
+NamedTensors Strategy::training_state() {
+  STRATA_FAIL(name() << ": does not save its training state yet (baseline and baseline_checkpoint do)");
+}
+
+void Strategy::load_training_state(const NamedTensors&) {
+  STRATA_FAIL(name() << ": does not load a training state yet (baseline and baseline_checkpoint do)");
+}
+
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
   NamedTensors out;
   out.reserve(tensors.size());

@@ -115,6 +115,17 @@ class Strategy {
   /// Whether the strategy trains under `policy`; Registry::create refuses the others with an
   /// Error naming both. fp32 only unless a strategy says more.
   virtual bool supports(const PrecisionPolicy& policy) const { return policy.is_fp32(); }
+  /// The whole training state as host tensors by canonical name, for a checkpoint
+  /// (strategies/state_files.h): each parameter (its fp32 master) under its name, its optimizer
+  /// state as "<name>/exp_avg", "<name>/exp_avg_sq" (AdamW; SGD's momentum is exp_avg) and
+  /// "<name>/step" where it has taken a step, and the loss scaler as "loss_scaler" (scale, good
+  /// steps in a row, skipped steps). After optimizer_step, with no gradient accumulated. A strategy
+  /// that does not save its state yet: an Error naming it.
+  virtual NamedTensors training_state();
+  /// Takes a state training_state() returned, from this strategy or another of the same model:
+  /// every parameter's name and shape must match (an Error names the first that does not). The
+  /// next step goes on from it as if the steps it holds had run here.
+  virtual void load_training_state(const NamedTensors& state);
   /// Bytes moved and memory held since the last reset_stats().
   virtual Stats stats() = 0;
   /// Zeroes the byte counters and the peaks (allocator peaks included).

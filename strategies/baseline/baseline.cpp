@@ -1,5 +1,8 @@
 #include "strategies/baseline/baseline.h"
 
+#include <map>
+#include <set>
+
 #include "models/check.h"
 #include "strategies/checkpoint.h"
 #include "strategies/device/device.h"
@@ -97,6 +100,55 @@ NamedTensors Baseline::gradients() {
 NamedTensors Baseline::parameters() { return host_copies(model().parameters()); }
 
 NamedTensors Baseline::buffers() { return host_copies(model().buffers()); }
+
+NamedTensors Baseline::training_state() {
+  const auto& params = model().parameters();
+  NamedTensors out = host_copies(params);
+  for (size_t i = 0; i < params.size(); ++i) {
+    STRATA_CHECK(!params[i].tensor.grad().defined(),
+                 name_ << ": training_state() after optimizer_step, with no gradient accumulated ('" << params[i].name
+                       << "' has one)");
+    const auto& st = optimizer_state_[i];
+    if (st.exp_avg.defined()) out.emplace_back(params[i].name + "/exp_avg", st.exp_avg.detach().cpu().clone());
+    if (st.exp_avg_sq.defined()) out.emplace_back(params[i].name + "/exp_avg_sq", st.exp_avg_sq.detach().cpu().clone());
+    if (st.step > 0) out.emplace_back(params[i].name + "/step", torch::tensor({st.step}, torch::kLong));
+  }
+  out.emplace_back("loss_scaler", scaler_.state());
+  return out;
+}
+
+void Baseline::load_training_state(const NamedTensors& state) {
+  const auto& params = model().parameters();
+  const std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
+  // Everything checked before anything changes: a bad state leaves this strategy as it was.
+  std::set<std::string> known = {"loss_scaler"};
+  for (const auto& p : params) {
+    const auto it = by_name.find(p.name);
+    STRATA_CHECK(it != by_name.end(), name_ << ": the state has no '" << p.name << "' (another model?)");
+    STRATA_CHECK(it->second.sizes() == p.tensor.sizes(), name_ << ": '" << p.name << "' is " << it->second.sizes()
+                                                               << " in the state, " << p.tensor.sizes()
+                                                               << " here (another model?)");
+    for (const auto* slot : {"", "/exp_avg", "/exp_avg_sq", "/step"}) known.insert(p.name + slot);
+  }
+  for (const auto& [key, t] : by_name)
+    STRATA_CHECK(known.count(key), name_ << ": the state has '" << key << "', which this model has not");
+  auto get = [&](const std::string& key) {
+    const auto it = by_name.find(key);
+    return it == by_name.end() ? torch::Tensor() : it->second;
+  };
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& name = params[i].name;
+    params[i].tensor.copy_(get(name));
+    auto& st = optimizer_state_[i];
+    st = {};
+    const auto device = params[i].tensor.device();
+    if (auto m = get(name + "/exp_avg"); m.defined()) st.exp_avg = m.to(device, torch::kFloat).clone();
+    if (auto v = get(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.to(device, torch::kFloat).clone();
+    if (auto n = get(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+  }
+  if (auto sc = get("loss_scaler"); sc.defined()) scaler_.restore(sc);
+}
 
 Stats Baseline::stats() {
   Stats s;

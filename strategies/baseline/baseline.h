@@ -25,6 +25,8 @@ class Baseline : public Strategy {
   NamedTensors gradients() override;
   NamedTensors parameters() override;
   NamedTensors buffers() override;
+  NamedTensors training_state() override;
+  void load_training_state(const NamedTensors& state) override;
   Stats stats() override;
   void reset_stats() override;
   /// Every policy: compute copies of the parameters, fp32 masters, loss scaling for fp16.
