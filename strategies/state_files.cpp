@@ -2,6 +2,7 @@
 
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
