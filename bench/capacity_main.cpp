@@ -160,24 +160,16 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-// Resident and peak resident bytes of this process (Linux /proc).
-int64_t status_field(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::strlen(field))) * 1024;  // kB
-  return 0;
-}
-int64_t rss_bytes() { return status_field("VmRSS:"); }
-int64_t peak_rss_bytes() { return status_field("VmHWM:"); }
-
-int64_t meminfo_field(const char* field) {
-  std::ifstream in("/proc/meminfo");
+// A "Field:   N kB" line of a /proc file, in bytes (0 if absent).
+int64_t proc_kb_field(const char* path, const char* field) {
+  std::ifstream in(path);
   std::string line;
   while (std::getline(in, line))
     if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::strlen(field))) * 1024;
   return 0;
 }
+int64_t rss_bytes() { return proc_kb_field("/proc/self/status", "VmRSS:"); }
+int64_t peak_rss_bytes() { return proc_kb_field("/proc/self/status", "VmHWM:"); }
 
 // Which memory ran out, from the error's text: the CUDA caching allocator's own message names the
 // device; a failed pinned (cudaHostAlloc) or ordinary host allocation is the host's.
@@ -467,7 +459,7 @@ int run(int argc, char** argv) {
                                     << device::total_memory(dev) / kGiB << " GiB");
   // What a probe may hold: the emulated card, else the whole one; the host's cap, else what is free.
   const int64_t host_limit = a.host_memory_gib > 0 ? static_cast<int64_t>(a.host_memory_gib * kGiB)
-                                                   : meminfo_field("MemAvailable:");
+                                                   : proc_kb_field("/proc/meminfo", "MemAvailable:");
   const int64_t device_limit = !dev.is_cuda()                ? host_limit
                                : a.device_memory_gib > 0 ? static_cast<int64_t>(a.device_memory_gib * kGiB)
                                                           : device::total_memory(dev);

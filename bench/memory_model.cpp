@@ -8,6 +8,7 @@
 
 #include "models/check.h"
 #include "models/sizes.h"
+#include "strategies/strategy.h"
 
 namespace strata::bench {
 namespace {
@@ -21,22 +22,31 @@ const std::set<std::string> kBaseline = {"baseline", "baseline_checkpoint"};
 const std::set<std::string> kWholeOnOneDevice = {"manual_split", "pipeline_1f1b", "pipeline_gpipe",
                                                  "pipeline_interleaved", "pipeline_zero_bubble", "pipeline_custom"};
 
-int64_t option_int(const std::map<std::string, std::string>& options, const std::string& key, int64_t fallback) {
-  const auto it = options.find(key);
-  if (it == options.end()) return fallback;
-  try {
-    size_t used = 0;
-    const auto v = std::stoll(it->second, &used);
-    if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
-  STRATA_FAIL("memory model: option " << key << "=" << it->second << " is not a whole number");
+// An option's value as the strategy takes it: the one given, else the default it registers
+// (Registry::options, read once per strategy), so no default is written down twice.
+std::string option_value(const MemoryQuestion& q, const std::string& key) {
+  if (const auto it = q.options.find(key); it != q.options.end()) return it->second;
+  static std::map<std::string, std::map<std::string, std::string>> defaults;
+  auto& known = defaults[q.strategy];
+  if (known.empty())
+    for (const auto& o : Registry::options(q.strategy)) known[o.key] = o.fallback;
+  const auto it = known.find(key);
+  return it == known.end() ? "" : it->second;
 }
 
-bool option_is(const std::map<std::string, std::string>& options, const std::string& key, const std::string& value,
-               bool fallback) {
-  const auto it = options.find(key);
-  return it == options.end() ? fallback : it->second == value;
+int64_t option_int(const MemoryQuestion& q, const std::string& key) {
+  const auto text = option_value(q, key);
+  try {
+    size_t used = 0;
+    const auto v = std::stoll(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  STRATA_FAIL("memory model: option " << key << "=" << text << " is not a whole number");
+}
+
+bool option_is(const MemoryQuestion& q, const std::string& key, const std::string& value) {
+  return option_value(q, key) == value;
 }
 
 // Units as strategies/windowed.h plans them: each block's own parameters, and the tied matrix.
@@ -161,6 +171,7 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
   const auto& o = q.options;
   MemoryPrediction out;
   const std::vector<int64_t>& numel = units.numel;
+  const int64_t widest_unit = *std::max_element(numel.begin(), numel.end());
 
   // Every strategy's model is built in host memory first (fp32), whatever it keeps there later.
   const MemoryPart built{"model as built", 4 * P};
@@ -176,7 +187,7 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
                  "memory model: " << q.strategy << " with classifier_shards is not modelled");
   }
   if (kBaseline.count(q.strategy) || kWholeOnOneDevice.count(q.strategy)) {
-    const bool recompute = q.strategy == "baseline_checkpoint" || option_is(o, "checkpoint", "1", false);
+    const bool recompute = option_is(q, "checkpoint", "1");
     // manual_split keeps a replica of a tied matrix for the stage that does not own it, on one device too.
     const int64_t replica = q.strategy == "manual_split" ? 4 * sizes.shared_params : 0;
     out.resident_param_bytes = out.peak_param_bytes = 4 * P + replica;
@@ -192,10 +203,10 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
   }
 
   if (kHookOffload.count(q.strategy)) {
-    const int64_t prefetch = option_int(o, "prefetch", q.strategy == "hook_offload_sync" ? 0 : 2);
-    const bool recompute = option_is(o, "activations", "recompute", true);
-    const bool overlap = option_is(o, "overlap_optimizer", "1", q.strategy == "hook_offload_overlap");
-    const bool carried = option_is(o, "carry_tied", "1", q.strategy != "hook_offload_sync");
+    const int64_t prefetch = option_int(q, "prefetch");
+    const bool recompute = option_is(q, "activations", "recompute");
+    const bool overlap = option_is(q, "overlap_optimizer", "1");
+    const bool carried = option_is(q, "carry_tied", "1");
     STRATA_CHECK(!o.count("resident"), "memory model: hook_offload with resident blocks is not modelled");
     // At rest: the windows optimizer_step fetched for the next forward (opening: prefetch + 1);
     // none with overlap_optimizer, whose updates run as gradients land.
@@ -204,8 +215,6 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
     // At the peak: the computing window and those prefetched, the tied matrix carried between uses.
     const int64_t shared = sizes.shared_params > 0 && carried ? 0 : -1;  // units_of puts it first
     out.peak_param_bytes = std::max(out.resident_param_bytes, widest_span(units, prefetch + 1, transfer, numel, shared));
-    int64_t widest_unit = 0;
-    for (auto n : numel) widest_unit = std::max(widest_unit, n);
     out.device = {{"windows", out.peak_param_bytes},
                   {"gradient", 4 * widest_unit},
                   {"activations", activation_bytes(sizes, q.batch, compute, recompute)}};
@@ -219,10 +228,10 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
   }
 
   // sharded in a world of one: each unit's shard is the whole unit.
-  const bool offload = option_is(o, "offload", "1", q.strategy == "sharded_offload");
-  const bool recompute = option_is(o, "activations", "recompute", true);
-  const bool reshard = option_is(o, "reshard_after_forward", "1", true);
-  const int64_t prefetch = option_int(o, "prefetch", 1);
+  const bool offload = option_is(q, "offload", "1");
+  const bool recompute = option_is(q, "activations", "recompute");
+  const bool reshard = option_is(q, "reshard_after_forward", "1");
+  const int64_t prefetch = option_int(q, "prefetch");
   const bool aliased = !offload && q.precision.transfer == torch::kFloat;  // fp32 units are their shards
   const int64_t shards = 4 * P;
   out.resident_param_bytes = offload ? 0 : shards;
@@ -234,8 +243,6 @@ MemoryPrediction predict_memory(const MemoryQuestion& q) {
   int64_t widest_window = 0;
   for (int64_t b = 0; b < static_cast<int64_t>(units.window.size()); ++b)
     widest_window = std::max(widest_window, windows_bytes(units, b, b, 4, numel));
-  int64_t widest_unit = 0;
-  for (auto n : numel) widest_unit = std::max(widest_unit, n);
   const int64_t activations = activation_bytes(sizes, q.batch, compute, recompute);
   out.device = {{"shards", offload ? 0 : shards},
                 {"optimizer", offload ? 0 : state * P},
