@@ -40,6 +40,13 @@ struct Frontier {
 /// `resolution` >= 1 and lo <= hi, else an Error naming the values.
 Frontier bisect(int64_t lo, int64_t hi, int64_t resolution, const std::function<Probe(int64_t)>& probe);
 
+/// The same answer, starting from a guess (the memory model's): `guess` (clamped to [lo, hi]) is
+/// probed first, then sizes `resolution`, 2x, 4x... away from it in the direction the answer lies,
+/// until one fits and one does not (or an end of [lo, hi] is reached), then the interval is halved.
+/// A guess d away from the answer costs about 2 log2(d) + 2 probes: 2 when it is right.
+Frontier bisect_from(int64_t guess, int64_t lo, int64_t hi, int64_t resolution,
+                     const std::function<Probe(int64_t)>& probe);
+
 /// --fit's answer: the strategies that trained, fastest first, then the others in the order given.
 void order_by_fit(std::vector<std::pair<std::string, Probe>>& results);
 
@@ -47,6 +54,7 @@ void order_by_fit(std::vector<std::pair<std::string, Probe>>& results);
 struct Axis {
   std::string name;  ///< depth, width or classes
   int64_t unit = 1;  ///< sizes are multiples of this (width: of the heads times 8)
+  int64_t smallest = 1;  ///< the smallest size the model takes, in units (classes: 2)
   models::ModelConfig at(const models::ModelConfig& base, int64_t size) const;
   int64_t of(const models::ModelConfig& config) const;  ///< the base's own size
 };

@@ -77,7 +77,8 @@ const char* kUsage =
     "  --timeout       seconds a probe may run before it is stopped (an error)\n"
     "  --fit           which strategies train this preset here, fastest first\n"
     "  --predict       the memory model's answer alone (no probe, no parity check): each strategy's\n"
-    "                  predicted largest size, and its bytes at --size (default: the preset's)\n"
+    "                  predicted largest size, and its bytes at --size (default: the preset's);\n"
+    "                  with --device-memory it needs no GPU here (a plan for another machine)\n"
     "exit status: 0 every search ran (out of memory is an answer); 1 a strategy failed parity or a\n"
     "probe errored; 2 a bad argument (named on stderr)\n";
 
@@ -442,7 +443,8 @@ int run(int argc, char** argv) {
   const auto a = parse_args(argc, argv);
   if (a.probe) return run_probe(a);
   if (a.parity) return run_parity(a);
-  const auto dev = device::parse(a.device);
+  // --predict for a card given by --device-memory needs no card: a plan made on another machine.
+  const auto dev = a.predict_only && a.device_memory_gib > 0 ? device::parse_name(a.device) : device::parse(a.device);
   const auto preset = models::preset(a.fit.empty() ? a.model : a.fit);
   const auto axis = bench::axis_for(a.scale, preset.config);
   const int64_t batch = a.batch > 0 ? a.batch : preset.batch_size;
@@ -488,12 +490,14 @@ int run(int argc, char** argv) {
   // The memory model's largest size (a multiple of the axis' step) from `lo_k` steps up, or -1.
   auto predicted_largest = [&](const std::string& strategy, int64_t lo_k) -> int64_t {
     if (!predict(strategy, preset.config)) return -1;
-    const int64_t hi_k = std::max<int64_t>(lo_k, 64 * axis.of(preset.config) / axis.unit);
+    auto fits_at = [&](int64_t k) { return predicted_fits(*predict(strategy, axis.at(preset.config, k * axis.unit))); };
+    if (!fits_at(lo_k)) return -1;
+    // Doubled until it does not fit (no card holds 2^40 of anything), then bisected.
+    int64_t hi_k = 2 * lo_k;
+    while (fits_at(hi_k) && hi_k < (int64_t{1} << 40) / axis.unit) hi_k *= 2;
     const auto f = bench::bisect(lo_k, hi_k, 1, [&](int64_t k) {
       bench::Probe p;
-      p.outcome = predicted_fits(*predict(strategy, axis.at(preset.config, k * axis.unit)))
-                      ? bench::ProbeOutcome::trains
-                      : bench::ProbeOutcome::device_oom;
+      p.outcome = fits_at(k) ? bench::ProbeOutcome::trains : bench::ProbeOutcome::device_oom;
       return p;
     });
     return f.largest > 0 ? f.largest * axis.unit : -1;
@@ -533,7 +537,7 @@ int run(int argc, char** argv) {
       }
       std::printf("[%s] %s=%ld: %s; predicted largest %s=%ld\n", strategy.c_str(), axis.name.c_str(),
                   static_cast<long>(size), m->summary().c_str(), axis.name.c_str(),
-                  static_cast<long>(predicted_largest(strategy, 1)));
+                  static_cast<long>(predicted_largest(strategy, axis.smallest)));
     }
     return 0;
   }
@@ -587,9 +591,9 @@ int run(int argc, char** argv) {
       continue;
     }
 
-    // The predicted frontier first (no process: the memory model alone); it brackets the search.
+    // The predicted frontier first (no process: the memory model alone); the search starts from it.
     // Sizes are multiples of the axis' step: --min rounds up to one, --max down.
-    const int64_t lo_k = std::max<int64_t>(1, ((a.min > 0 ? a.min : axis.unit) + axis.unit - 1) / axis.unit);
+    const int64_t lo_k = std::max<int64_t>(axis.smallest, ((a.min > 0 ? a.min : axis.unit) + axis.unit - 1) / axis.unit);
     const int64_t predicted = predicted_largest(strategy, lo_k);
     const int64_t predicted_k = predicted > 0 ? predicted / axis.unit : -1;
     int64_t hi_k = a.max > 0 ? a.max / axis.unit
@@ -600,7 +604,10 @@ int run(int argc, char** argv) {
     const int64_t resolution = a.resolution > 0 ? std::max<int64_t>(1, a.resolution / axis.unit)
                                : axis.name == "classes" ? std::max<int64_t>(1, (hi_k - lo_k) / 128)
                                                         : 1;
-    const auto f = bench::bisect(lo_k, hi_k, resolution, [&](int64_t k) { return probe_at(k * axis.unit); });
+    // From the memory model's answer where there is one: a right guess costs two probes.
+    auto probe_k = [&](int64_t k) { return probe_at(k * axis.unit); };
+    const auto f = predicted_k > 0 ? bench::bisect_from(predicted_k, lo_k, hi_k, resolution, probe_k)
+                                   : bench::bisect(lo_k, hi_k, resolution, probe_k);
     // The search's own words count in multiples of the step; an error is told at its real size.
     std::string stopped;
     if (!f.stopped.empty()) {

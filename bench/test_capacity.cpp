@@ -114,6 +114,45 @@ TEST(CapacitySearch, a_probe_that_errors_is_reported_as_such_and_ends_the_search
   EXPECT_THAT(search(first, 1, 100, 1).stopped, HasSubstr("size 1: a stand-in failure"));
 }
 
+TEST(CapacitySearch, from_a_guess_probes_it_first_and_pays_for_its_distance_in_doublings) {
+  for (int64_t hi : {8, 100, 1000})
+    for (int64_t largest = 0; largest <= hi; ++largest)
+      for (int64_t guess : {int64_t{1}, largest - 7, largest - 1, largest, largest + 1, largest + 30, hi}) {
+        if (guess < 1 || guess > hi) continue;
+        StandIn s{largest};
+        const auto f = bisect_from(guess, 1, hi, 1, [&](int64_t size) { return s(size); });
+        SCOPED_TRACE("hi " + std::to_string(hi) + " largest " + std::to_string(largest) + " guess " + std::to_string(guess));
+        ASSERT_FALSE(s.asked.empty());
+        EXPECT_EQ(s.asked[0], guess);
+        EXPECT_EQ(f.largest, largest == 0 ? -1 : largest);
+        EXPECT_EQ(f.failing, largest == hi ? -1 : largest + 1);
+        EXPECT_TRUE(f.stopped.empty());
+        for (auto size : s.asked) {
+          EXPECT_GE(size, 1);
+          EXPECT_LE(size, hi);
+        }
+        const int64_t distance = std::abs(largest - guess) + 1;
+        EXPECT_LE(s.asked.size(), 2 + 2 * static_cast<size_t>(std::ceil(std::log2(static_cast<double>(distance)))))
+            << "a guess " << distance - 1 << " off costs at most two probes per doubling";
+        if (guess == largest && largest < hi && largest > 0) EXPECT_EQ(s.asked, (std::vector<int64_t>{largest, largest + 1}));
+      }
+  // Within a resolution, and an error ends it, as in bisect.
+  StandIn r{500};
+  const auto f = bisect_from(300, 1, 1000, 16, [&](int64_t size) { return r(size); });
+  EXPECT_LE(f.largest, 500);
+  EXPECT_GT(f.failing, 500);
+  EXPECT_LE(f.failing - f.largest, 16);
+  StandIn broken{500, /*broken=*/301};
+  const auto b = bisect_from(300, 1, 1000, 1, [&](int64_t size) { return broken(size); });
+  EXPECT_EQ(broken.asked, (std::vector<int64_t>{300, 301}));
+  EXPECT_THAT(b.stopped, HasSubstr("size 301: a stand-in failure"));
+  EXPECT_EQ(b.largest, 300);
+  EXPECT_EQ(b.failing, -1);
+  StandIn empty{5};
+  EXPECT_THAT([&] { bisect_from(3, 6, 2, 1, [&](int64_t size) { return empty(size); }); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("the range [6, 2]")));
+}
+
 TEST(CapacitySearch, refuses_an_empty_range_or_resolution_naming_them) {
   StandIn s{10};
   EXPECT_THAT([&] { search(s, 10, 5, 1); }, ::testing::ThrowsMessage<Error>(HasSubstr("the range [10, 5]")));

@@ -20,7 +20,7 @@ namespace strata::device {
 bool cuda_available() { return torch::cuda::is_available(); }
 int64_t cuda_device_count() { return cuda_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0; }
 
-torch::Device parse(const std::string& text) {
+torch::Device parse_name(const std::string& text) {
   static const std::regex pattern("^(cpu|cuda)(:([0-9]+))?$");
   std::smatch m;
   STRATA_CHECK(std::regex_match(text, m, pattern),
@@ -28,6 +28,11 @@ torch::Device parse(const std::string& text) {
   STRATA_CHECK(!(m[1] == "cpu" && m[2].matched), "device '" << text << "': the CPU takes no index; use cpu");
   torch::Device device = m[1] == "cpu" ? torch::Device(torch::kCPU)
                                        : torch::Device(torch::kCUDA, m[2].matched ? std::stoi(m[3]) : 0);
+  return device;
+}
+
+torch::Device parse(const std::string& text) {
+  const auto device = parse_name(text);
   check_available(device);
   return device;
 }

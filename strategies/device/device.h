@@ -24,6 +24,8 @@ std::string name(const torch::Device& device);
 
 /// "cpu", "cuda" or "cuda:N"; an Error names the value if it is malformed or the device is absent.
 torch::Device parse(const std::string& text);
+/// The same without the check that the device is here (a plan for another machine).
+torch::Device parse_name(const std::string& text);
 /// Throws an Error naming `device` if it does not exist on this machine.
 void check_available(const torch::Device& device);
 /// Waits until all work queued on `device` has finished (no-op on CPU).
