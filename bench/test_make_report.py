@@ -140,9 +140,9 @@ def main():
     checks = [
         ("capacity: a search's table names the emulated card and each strategy's row",
          "### gpt-871m along depth: NVIDIA H100 80GB HBM3, 8 GiB emulated, host 120 GiB available" in capacity
-         and "| baseline | 3 | 0.217B | 80.5 | 7.00 | 1.00 | 4 | device out of memory | 3 | 1.10 | 1.50 |" in capacity),
+         and "| baseline | 3 | 0.217B | 1.00x | 80.5 | 7.00 | 1.00 | 1% | 4: device out of memory | 3 | 1.10 | 1.50 |" in capacity),
         ("capacity: a search whose upper end trains says so",
-         "| hook_offload | 40 | 2.100B | 900.0 | 6.00 | 40.00 | - | the upper end trains | 20 | - | - |" in capacity),
+         "| hook_offload | 40 | 2.100B | 9.68x | 900.0 | 6.00 | 40.00 | 33% | the upper end trains | 20 | - | - |" in capacity),
         ("capacity: a search stopped by an error shows the error", "error: size 3: the probe ended" in capacity),
         ("capacity: a fit run lists what trains, fastest first, then what does not",
          capacity.index("| hook_offload_overlap | trains | 1637.7 |") < capacity.index("| sharded_offload | trains | 1950.9 |")

@@ -397,15 +397,21 @@ def capacity_section(paths, out_dir):
                 else f"which strategies train {ctx.get('model', '?')}")
         out.append(f"### {what}: {device}, {host}\n")
         out.append(f"`{ctx.get('model_config', '')}`, batch {ctx.get('batch', '?')}, {ctx.get('precision', '?')}, "
-                   f"{ctx.get('optimizer', '?')}, {ctx.get('steps', '?')} timed steps a probe.\n")
+                   f"{ctx.get('optimizer', '?')}, {ctx.get('steps', '?')} timed step{'' if ctx.get('steps') == 1 else 's'} a probe.\n")
         on_cpu = str(ctx.get("strata_device", "")).startswith("cpu")
         if ctx.get("mode") == "search":
-            out.append("| strategy | largest | parameters | step ms | peak device GiB | peak host GiB | next | "
-                       "ran out | predicted largest | predicted / measured device | predicted / measured host |")
-            out.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+            out.append("'x baseline': parameters at the largest against the baseline's; 'host used': the peak host "
+                       "memory there against what the host had (capped or available), where a strategy bound by "
+                       "host memory reaches its bound.\n")
+            out.append("| strategy | largest | parameters | x baseline | step ms | peak device GiB | peak host GiB | "
+                       "host used | next: ran out | predicted largest | predicted / measured device | "
+                       "predicted / measured host |")
+            out.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+            base = next((r.get("parameters", 0) for r in rows if r.get("strategy") == "baseline"), 0)
+            host_total = ctx.get("host_memory_bytes", 0)
             for r in rows:
                 if "error_message" in r and r.get("largest", -1) < 0:
-                    out.append(f"| {r.get('strategy', r['name'])} | {r['error_message'][:80]} |||||||||| ")
+                    out.append(f"| {r.get('strategy', r['name'])} | {r['error_message'][:80]} |||||||||||| ")
                     continue
                 ratio = lambda p, m: f"{p / m:.2f}" if m and p else "-"
                 if on_cpu:  # one memory: the host's peak holds both parts
@@ -415,15 +421,17 @@ def capacity_section(paths, out_dir):
                 else:
                     device_ratio = ratio(r.get("predicted_device_bytes", 0), r.get("peak_device_bytes", 0))
                     host_ratio = ratio(r.get("predicted_host_bytes", 0), r.get("peak_host_bytes", 0))
-                largest = r.get("largest", -1)
+                largest, params, peak_host = r.get("largest", -1), r.get("parameters", 0), r.get("peak_host_bytes", 0)
+                nxt = f"{r['next']}: " if r.get("next", -1) > 0 else ""
                 out.append(f"| {r['strategy']} | {largest if largest > 0 else 'none'} | "
-                           f"{r.get('parameters', 0) / 1e9:.3f}B | {fmt(r.get('step_ms'))} | "
-                           f"{gib(r.get('peak_device_bytes', 0))} | {gib(r.get('peak_host_bytes', 0))} | "
-                           f"{r.get('next', -1) if r.get('next', -1) > 0 else '-'} | {r.get('next_outcome', '')} | "
+                           f"{params / 1e9:.3f}B | {f'{params / base:.2f}x' if base and params else '-'} | "
+                           f"{fmt(r.get('step_ms'))} | {gib(r.get('peak_device_bytes', 0))} | {gib(peak_host)} | "
+                           f"{f'{100 * peak_host / host_total:.0f}%' if host_total and peak_host else '-'} | "
+                           f"{nxt}{r.get('next_outcome', '')} | "
                            f"{r.get('predicted_largest', -1) if r.get('predicted_largest', -1) > 0 else '-'} | {device_ratio} | "
                            f"{host_ratio} |")
                 if "error_message" in r:
-                    out.append(f"| | {r['error_message'][:100]} |||||||||| ")
+                    out.append(f"| | {r['error_message'][:100]} |||||||||||| ")
         else:
             trains = sorted((r for r in rows if r.get("outcome") == "trains"), key=lambda r: r.get("step_ms", 0))
             out.append("| strategy | trains | step ms | peak device GiB | peak host GiB |")
