@@ -1,8 +1,11 @@
 // Test main: the device is a parameter of the whole suite (--device=cpu or --device=cuda[:N]); CTest
 // runs every test once per device with labels cpu and cuda. On a machine without the device the
 // binary prints why and exits 77, which CTest reports as skipped (never as passed).
+#include <execinfo.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cstring>
 #include <iostream>
 
@@ -12,11 +15,23 @@
 namespace strata::test {
 namespace {
 torch::Device g_device{torch::kCPU};
+
+// A test that crashes prints the native stack (function names from the shared libraries) before
+// the signal ends it as before, so that a crash on a machine without a debugger can be read.
+void print_stack_and_reraise(int sig) {
+  const char head[] = "\nstrata_tests: a fatal signal; the native stack:\n";
+  (void)!write(STDERR_FILENO, head, sizeof head - 1);
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
 }
+}  // namespace
 const torch::Device& device() { return g_device; }
 }  // namespace strata::test
 
 int main(int argc, char** argv) {
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, strata::test::print_stack_and_reraise);
   ::testing::InitGoogleTest(&argc, argv);
   std::string requested = "cpu";
   int min_gpus = 0;
