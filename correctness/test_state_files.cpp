@@ -193,12 +193,16 @@ TEST(StateFiles, pytorch_loads_the_files) {
 // equal to the bit to k + j steps without the break; the loss scaler and AdamW's step counts
 // (its bias correction) come back too.
 std::unique_ptr<Strategy> trained(const std::string& strategy, const std::string& precision, int steps,
-                                  int first_batch = 0, const NamedTensors* state = nullptr) {
+                                  int first_batch = 0, const NamedTensors* state = nullptr,
+                                  const std::map<std::string, std::string>& options = {},
+                                  OptimizerKind optimizer = OptimizerKind::adamw) {
   StrategyConfig config;
   config.device = test::device();
-  config.optimizer.kind = OptimizerKind::adamw;
+  config.optimizer.kind = optimizer;
   config.optimizer.lr = 1e-2;
+  if (optimizer == OptimizerKind::sgd) config.optimizer.momentum = 0.9;
   config.precision = PrecisionPolicy::parse(precision);
+  config.options = options;
   auto s = Registry::create(strategy, config);
   const auto model = models::preset("gpt-tiny").config;
   s->attach(models::build_model(model, 3));
@@ -210,24 +214,70 @@ std::unique_ptr<Strategy> trained(const std::string& strategy, const std::string
   return s;
 }
 
+// The strategies that save their state, each with the options that change where that state lives:
+// on the device, in pinned host memory, stepped during backward, a tied matrix's second copy.
+struct Saving {
+  std::string strategy;
+  std::map<std::string, std::string> options;
+  std::string label() const {
+    std::string out = strategy;
+    for (const auto& [k, v] : options) out += " " + k + "=" + v;
+    return out;
+  }
+};
+const std::vector<Saving>& saving_strategies() {
+  static const std::vector<Saving> all = {
+      {"baseline", {}},
+      {"baseline_checkpoint", {}},
+      {"hook_offload", {}},
+      {"hook_offload_overlap", {}},
+      {"hook_offload_overlap", {{"tied_early", "1"}}},
+      {"hook_offload", {{"resident", "1"}, {"resident_updates", "device"}}},
+      {"hook_offload_sync", {}},
+  };
+  return all;
+}
+
 TEST(Resume, is_exact_through_the_files_for_the_strategies_that_save) {
-  for (const auto* strategy : {"baseline", "baseline_checkpoint"})
-    for (const auto* precision : {"fp32", "bf16"}) {
-      SCOPED_TRACE(std::string(strategy) + " " + precision);
-      const auto whole = trained(strategy, precision, 5)->parameters();
-      TempDir dir;
-      auto first = trained(strategy, precision, 3);
-      state_files::Manifest m;
-      m.strategy = strategy;
-      m.step = 3;
-      const auto saved = state_files::save(dir.path, m, {{"state.pt", first->training_state()}});
-      const auto manifest = state_files::read_manifest(saved);
-      const auto state = state_files::load_file(saved, manifest, "state.pt");
-      const auto resumed = trained(strategy, precision, 2, /*first_batch=*/3, &state)->parameters();
-      ASSERT_EQ(resumed.size(), whole.size());
-      for (size_t i = 0; i < whole.size(); ++i)
-        EXPECT_TRUE(torch::equal(resumed[i].second, whole[i].second)) << whole[i].first;
+  for (const auto& s : saving_strategies())
+    for (const auto* precision : {"fp32", "bf16"})
+      for (auto optimizer : {OptimizerKind::adamw, OptimizerKind::sgd}) {
+        if (optimizer == OptimizerKind::sgd && std::string(precision) == "bf16") continue;
+        SCOPED_TRACE(s.label() + " " + precision + (optimizer == OptimizerKind::sgd ? " sgd" : " adamw"));
+        const auto whole = trained(s.strategy, precision, 5, 0, nullptr, s.options, optimizer)->parameters();
+        TempDir dir;
+        auto first = trained(s.strategy, precision, 3, 0, nullptr, s.options, optimizer);
+        state_files::Manifest m;
+        m.strategy = s.strategy;
+        m.step = 3;
+        const auto saved = state_files::save(dir.path, m, {{"state.pt", first->training_state()}});
+        const auto manifest = state_files::read_manifest(saved);
+        const auto state = state_files::load_file(saved, manifest, "state.pt");
+        const auto resumed = trained(s.strategy, precision, 2, /*first_batch=*/3, &state, s.options, optimizer)->parameters();
+        ASSERT_EQ(resumed.size(), whole.size());
+        for (size_t i = 0; i < whole.size(); ++i)
+          EXPECT_TRUE(torch::equal(resumed[i].second, whole[i].second)) << whole[i].first;
+      }
+}
+
+// A state loaded into a strategy that has trained already (its windows, resident blocks and
+// optimizer state in place) replaces all of it: the next steps are those of a fresh instance.
+TEST(Resume, a_state_loaded_mid_run_replaces_everything_the_strategy_held) {
+  for (const auto& s : saving_strategies()) {
+    SCOPED_TRACE(s.label());
+    const auto state = trained(s.strategy, "fp32", 3, 0, nullptr, s.options)->training_state();
+    const auto fresh = trained(s.strategy, "fp32", 2, 3, &state, s.options)->parameters();
+    auto busy = trained(s.strategy, "fp32", 4, 50, nullptr, s.options);  // other batches, other values
+    busy->load_training_state(state);
+    const auto model = models::preset("gpt-tiny").config;
+    for (int i = 0; i < 2; ++i) {
+      busy->train_step(models::make_batch(model, 4, 100 + 3 + i));
+      busy->optimizer_step();
     }
+    const auto after = busy->parameters();
+    ASSERT_EQ(after.size(), fresh.size());
+    for (size_t i = 0; i < fresh.size(); ++i) EXPECT_TRUE(torch::equal(after[i].second, fresh[i].second)) << fresh[i].first;
+  }
 }
 
 TEST(Resume, a_state_of_another_model_is_named_and_changes_nothing) {
@@ -249,7 +299,8 @@ TEST(Resume, a_state_of_another_model_is_named_and_changes_nothing) {
 
 // Until each strategy saves its state, it says so by name, rather than saving part of it.
 TEST(Resume, the_strategies_that_do_not_save_yet_say_so) {
-  const std::set<std::string> saving = {"baseline", "baseline_checkpoint"};
+  std::set<std::string> saving;
+  for (const auto& s : saving_strategies()) saving.insert(s.strategy);
   for (const auto& name : Registry::names()) {
     if (saving.count(name) || !Registry::required_options(name).empty()) continue;
     StrategyConfig config;

@@ -1,5 +1,8 @@
 #include "strategies/strategy.h"
 
+#include <map>
+#include <set>
+
 #include "models/check.h"
 #include "strategies/device/device.h"
 
@@ -17,11 +20,11 @@ void Strategy::attach(models::BlockModel model) {
 }
 
 NamedTensors Strategy::training_state() {
-  STRATA_FAIL(name() << ": does not save its training state yet (baseline and baseline_checkpoint do)");
+  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint and the hook_offload family do)");
 }
 
 void Strategy::load_training_state(const NamedTensors&) {
-  STRATA_FAIL(name() << ": does not load a training state yet (baseline and baseline_checkpoint do)");
+  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint and the hook_offload family do)");
 }
 
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
@@ -30,6 +33,26 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
   // .to(kCPU, copy=true) also on the CPU, where .cpu() would hand out the live tensor.
   for (const auto& t : tensors) out.emplace_back(t.name, t.tensor.detach().to(torch::kCPU, false, /*copy=*/true));
   return out;
+}
+
+std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
+                                                            const std::vector<models::NamedParameter>& params,
+                                                            const NamedTensors& state) {
+  std::map<std::string, torch::Tensor> by_name;
+  for (const auto& [key, t] : state)
+    STRATA_CHECK(by_name.emplace(key, t).second, strategy << ": the state has '" << key << "' twice");
+  std::set<std::string> known = {"loss_scaler"};
+  for (const auto& p : params) {
+    const auto it = by_name.find(p.name);
+    STRATA_CHECK(it != by_name.end(), strategy << ": the state has no '" << p.name << "' (another model?)");
+    STRATA_CHECK(it->second.sizes() == p.tensor.sizes(), strategy << ": '" << p.name << "' is " << it->second.sizes()
+                                                                  << " in the state, " << p.tensor.sizes()
+                                                                  << " here (another model?)");
+    for (const auto* slot : {"", "/exp_avg", "/exp_avg_sq", "/step"}) known.insert(p.name + slot);
+  }
+  for (const auto& [key, t] : by_name)
+    STRATA_CHECK(known.count(key), strategy << ": the state has '" << key << "', which this model has not");
+  return by_name;
 }
 
 }  // namespace strata

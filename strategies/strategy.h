@@ -142,6 +142,14 @@ class Strategy {
 /// Host copies (never views: the next step changes the originals) of named tensors, in order.
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 
+/// What load_training_state() checks before it changes anything, for strategy `strategy` holding
+/// `params`: each parameter is in `state` with its shape, and each key of `state` is a parameter's
+/// name, one of its optimizer slots (`/exp_avg`, `/exp_avg_sq`, `/step`) or `loss_scaler`. An
+/// Error names the first that is not; else the state by name.
+std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
+                                                            const std::vector<models::NamedParameter>& params,
+                                                            const NamedTensors& state);
+
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 
 /// What one option of a strategy means (for `--list` and the table of options in docs/options.md).

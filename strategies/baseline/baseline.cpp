@@ -1,7 +1,6 @@
 #include "strategies/baseline/baseline.h"
 
 #include <map>
-#include <set>
 
 #include "models/check.h"
 #include "strategies/checkpoint.h"
@@ -119,19 +118,8 @@ NamedTensors Baseline::training_state() {
 
 void Baseline::load_training_state(const NamedTensors& state) {
   const auto& params = model().parameters();
-  const std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
   // Everything checked before anything changes: a bad state leaves this strategy as it was.
-  std::set<std::string> known = {"loss_scaler"};
-  for (const auto& p : params) {
-    const auto it = by_name.find(p.name);
-    STRATA_CHECK(it != by_name.end(), name_ << ": the state has no '" << p.name << "' (another model?)");
-    STRATA_CHECK(it->second.sizes() == p.tensor.sizes(), name_ << ": '" << p.name << "' is " << it->second.sizes()
-                                                               << " in the state, " << p.tensor.sizes()
-                                                               << " here (another model?)");
-    for (const auto* slot : {"", "/exp_avg", "/exp_avg_sq", "/step"}) known.insert(p.name + slot);
-  }
-  for (const auto& [key, t] : by_name)
-    STRATA_CHECK(known.count(key), name_ << ": the state has '" << key << "', which this model has not");
+  const auto by_name = checked_training_state(name_, params, state);
   auto get = [&](const std::string& key) {
     const auto it = by_name.find(key);
     return it == by_name.end() ? torch::Tensor() : it->second;

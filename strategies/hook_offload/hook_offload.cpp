@@ -1138,6 +1138,108 @@ NamedTensors HookOffload::parameters() {
   return out;
 }
 
+NamedTensors HookOffload::training_state() {
+  const auto& params = model().parameters();
+  NamedTensors out = parameters();  // the masters, once every pending update has run
+  for (const auto& unit : units_)
+    STRATA_CHECK(!unit.grad_filled, name_ << ": training_state() after optimizer_step, with no gradient accumulated");
+  std::vector<int64_t> on_host_of(units_.size(), -1);  // a unit's optimizer state read once
+  std::vector<OptimizerState> states(units_.size());
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    auto& unit = units_[u];
+    const auto numel = params[p].tensor.numel();
+    if (offset + numel > unit.trainable_numel) continue;  // frozen: no optimizer state
+    if (on_host_of[u] < 0) {
+      const auto& st = unit.optimizer();
+      if (unit.on_device()) device::synchronize(config_.device);  // its update ran on the compute stream
+      auto host = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kCPU) : t; };
+      states[u] = {host(st.exp_avg), host(st.exp_avg_sq), st.step};
+      on_host_of[u] = 1;
+    }
+    const auto& st = states[u];
+    auto slice = [&](const torch::Tensor& flat) {
+      return flat.narrow(0, offset, numel).view(params[p].tensor.sizes()).clone();
+    };
+    if (st.exp_avg.defined()) out.emplace_back(params[p].name + "/exp_avg", slice(st.exp_avg));
+    if (st.exp_avg_sq.defined()) out.emplace_back(params[p].name + "/exp_avg_sq", slice(st.exp_avg_sq));
+    if (st.step > 0) out.emplace_back(params[p].name + "/step", torch::tensor({st.step}, torch::kLong));
+  }
+  out.emplace_back("loss_scaler", scaler_.state());
+  return out;
+}
+
+void HookOffload::load_training_state(const NamedTensors& state) {
+  const auto& params = model().parameters();
+  // Everything checked before anything changes: a bad state leaves this strategy as it was.
+  const auto by_name = checked_training_state(name_, params, state);
+  auto get = [&](const std::string& key) {
+    const auto it = by_name.find(key);
+    return it == by_name.end() ? torch::Tensor() : it->second;
+  };
+  // A unit's parameters train together: one step count, and its moments whole or not at all.
+  std::vector<int64_t> steps(units_.size(), -1);
+  std::vector<bool> moments(units_.size(), false);
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    if (offset + params[p].tensor.numel() > units_[u].trainable_numel) continue;
+    const auto n = get(params[p].name + "/step");
+    const int64_t step = n.defined() ? n.item<int64_t>() : 0;
+    const bool has = get(params[p].name + "/exp_avg").defined();
+    const bool first = steps[u] < 0;
+    STRATA_CHECK(first || (steps[u] == step && moments[u] == has),
+                 name_ << ": '" << params[p].name << "' is at step " << step << (has ? " with" : " without")
+                       << " optimizer state, the parameters it trains with at step " << steps[u]
+                       << (moments[u] ? " with" : " without") << " (hook_offload steps them as one)");
+    steps[u] = step;
+    moments[u] = has;
+  }
+  finish_pending();
+  for (const auto& unit : units_)
+    STRATA_CHECK(!unit.grad_filled, name_ << ": load_training_state() after optimizer_step, with no gradient accumulated");
+  torch::NoGradGuard no_grad;
+  const bool narrower = config_.precision.compute != torch::kFloat;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = units_[u];
+    const auto flat_device = unit.on_device() ? config_.device : torch::Device(torch::kCPU);
+    auto master = torch::empty({unit.numel}, torch::kFloat);
+    OptimizerState st;
+    st.step = std::max<int64_t>(steps[u], 0);
+    if (moments[u]) {
+      st.exp_avg = torch::zeros({unit.trainable_numel}, torch::kFloat);
+      if (config_.optimizer.kind == OptimizerKind::adamw) st.exp_avg_sq = torch::zeros({unit.trainable_numel}, torch::kFloat);
+    }
+    for (auto p : unit.params) {
+      const auto offset = param_slot_[p].second;
+      const auto& name = params[p].name;
+      const auto numel = params[p].tensor.numel();
+      master.narrow(0, offset, numel).copy_(get(name).reshape({-1}));
+      if (!moments[u] || offset + numel > unit.trainable_numel) continue;
+      st.exp_avg.narrow(0, offset, numel).copy_(get(name + "/exp_avg").reshape({-1}));
+      if (st.exp_avg_sq.defined()) st.exp_avg_sq.narrow(0, offset, numel).copy_(get(name + "/exp_avg_sq").reshape({-1}));
+    }
+    if (unit.on_device()) {
+      unit.device_master.copy_(master);
+      if (narrower) unit.device_flat.copy_(unit.device_master);
+      if (st.exp_avg.defined()) st.exp_avg = st.exp_avg.to(flat_device);
+      if (st.exp_avg_sq.defined()) st.exp_avg_sq = st.exp_avg_sq.to(flat_device);
+    } else {
+      unit.host_param.copy_(master);
+      if (unit.host_travel.defined()) unit.host_travel.copy_(unit.host_param);
+      if (unit.tied.spare_param.defined()) unit.tied.spare_param.copy_(unit.host_param);
+      if (unit.tied.spare_travel.defined()) unit.tied.spare_travel.copy_(unit.host_travel);
+      drop_early(unit);  // a device copy of the old values
+      if (unit.references > 0) {  // held on the device (a resident block, the next forward's opening)
+        unit.stale = true;
+        refresh_if_stale(unit);
+      }
+    }
+    unit.optimizer() = std::move(st);
+    unit.optimizer_slots[1 - unit.optimizer_now] = {};  // a tied unit's spare: written whole by its next step
+  }
+  if (auto sc = get("loss_scaler"); sc.defined()) scaler_.restore(sc);
+}
+
 int64_t HookOffload::offloaded_bytes_on_device() const { return resident_bytes_ - permanent_bytes_; }
 
 Stats HookOffload::stats() {

@@ -52,6 +52,8 @@ class HookOffload : public Strategy, public WindowedRunner {
   void optimizer_step() override;
   NamedTensors gradients() override;
   NamedTensors parameters() override;
+  NamedTensors training_state() override;
+  void load_training_state(const NamedTensors& state) override;
   NamedTensors buffers() override;
   Stats stats() override;
   /// bf16 or fp16 compute with gradients brought back and summed in fp32 (reduce=fp32): the
