@@ -73,6 +73,18 @@ TEST_P(Parity, prop_matches_baseline) {
       EXPECT_GT(seen[key][value], 0) << strategy << ": no case of this run drew " << key << "=" << value;
 }
 
+// Resume anywhere: the first steps in one strategy that saves its state (the same or another),
+// the state through checkpoint files into this one, the rest here: every step within the parity
+// bounds of the baseline's uninterrupted run (tied, frozen, buffers, both optimizers, bf16).
+class ResumeAnywhere : public ::testing::TestWithParam<std::string> {};
+TEST_P(ResumeAnywhere, prop_matches_baseline) {
+  const auto strategy = GetParam();
+  EXPECT_TRUE(check_property(strategy, "resume into " + strategy + " on " + test::device().str(),
+                             [&] { return gen_resume_case(strategy, machine_devices()); }));
+}
+INSTANTIATE_TEST_SUITE_P(Saving, ResumeAnywhere, ::testing::ValuesIn(saving_strategies()),
+                         [](const auto& info) { return info.param; });
+
 TEST_P(Parity, tiny_presets_match_baseline) {
   for (const auto& preset : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
     ParityCase c;
@@ -983,6 +995,15 @@ TEST(ParityCases, text_form_reads_back) {
   EXPECT_EQ(c.batch_size, 1);
   EXPECT_EQ(c.seed, 145u);
   EXPECT_EQ(c.options.at("classifier_shards"), "2");
+  const std::string resume_case =
+      "gpt(depth=1 width=2 heads=1 vocab=5 seq_len=2 tied=1) batch=2 seed=3 steps=3 resume=hook_offload@2 prefetch=1";
+  const auto r = ParityCase::parse(resume_case);
+  EXPECT_EQ(r.to_string(), resume_case);
+  EXPECT_EQ(r.resume_from, "hook_offload");
+  EXPECT_EQ(r.resume_at, 2);
+  EXPECT_EQ(r.options.at("prefetch"), "1");
+  EXPECT_THAT(test::error_of([] { ParityCase::parse("gpt(depth=1 width=2 heads=1 vocab=5 seq_len=2 tied=0) resume=baseline"); }),
+              HasSubstr("resume=baseline is not STRATEGY@STEP"));
   EXPECT_THAT(test::error_of([] { ParityCase::parse("gpt(depth=1) batch=2"); }), HasSubstr("needs width"));
   EXPECT_THAT(test::error_of([] { ParityCase::parse("chain(in=2 width=3 classes=2 blocks=lin,mystery)"); }),
               HasSubstr("unknown block 'mystery'"));

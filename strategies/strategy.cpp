@@ -37,22 +37,35 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
 
 std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
                                                             const std::vector<models::NamedParameter>& params,
+                                                            const std::vector<models::NamedBuffer>& buffers,
                                                             const NamedTensors& state) {
   std::map<std::string, torch::Tensor> by_name;
   for (const auto& [key, t] : state)
     STRATA_CHECK(by_name.emplace(key, t).second, strategy << ": the state has '" << key << "' twice");
   std::set<std::string> known = {"loss_scaler"};
-  for (const auto& p : params) {
+  auto check = [&](const models::NamedParameter& p) {
     const auto it = by_name.find(p.name);
     STRATA_CHECK(it != by_name.end(), strategy << ": the state has no '" << p.name << "' (another model?)");
     STRATA_CHECK(it->second.sizes() == p.tensor.sizes(), strategy << ": '" << p.name << "' is " << it->second.sizes()
                                                                   << " in the state, " << p.tensor.sizes()
                                                                   << " here (another model?)");
+  };
+  for (const auto& p : params) {
+    check(p);
     for (const auto* slot : {"", "/exp_avg", "/exp_avg_sq", "/step"}) known.insert(p.name + slot);
+  }
+  for (const auto& b : buffers) {
+    check(b);
+    known.insert(b.name);
   }
   for (const auto& [key, t] : by_name)
     STRATA_CHECK(known.count(key), strategy << ": the state has '" << key << "', which this model has not");
   return by_name;
+}
+
+void load_buffers(const std::vector<models::NamedBuffer>& buffers, const std::map<std::string, torch::Tensor>& state) {
+  torch::NoGradGuard no_grad;
+  for (const auto& b : buffers) b.tensor.copy_(state.at(b.name));
 }
 
 }  // namespace strata

@@ -118,8 +118,8 @@ class Strategy {
   /// The whole training state as host tensors by canonical name, for a checkpoint
   /// (strategies/state_files.h): each parameter (its fp32 master) under its name, its optimizer
   /// state as "<name>/exp_avg", "<name>/exp_avg_sq" (AdamW; SGD's momentum is exp_avg) and
-  /// "<name>/step" where it has taken a step, and the loss scaler as "loss_scaler" (scale, good
-  /// steps in a row, skipped steps). After optimizer_step, with no gradient accumulated. A strategy
+  /// "<name>/step" where it has taken a step, each buffer (running statistics) under its name, and
+  /// the loss scaler as "loss_scaler" (scale, good steps in a row, skipped steps). After optimizer_step, with no gradient accumulated. A strategy
   /// that does not save its state yet: an Error naming it.
   virtual NamedTensors training_state();
   /// Takes a state training_state() returned, from this strategy or another of the same model:
@@ -143,12 +143,15 @@ class Strategy {
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 
 /// What load_training_state() checks before it changes anything, for strategy `strategy` holding
-/// `params`: each parameter is in `state` with its shape, and each key of `state` is a parameter's
-/// name, one of its optimizer slots (`/exp_avg`, `/exp_avg_sq`, `/step`) or `loss_scaler`. An
-/// Error names the first that is not; else the state by name.
+/// `params` and `buffers`: each parameter and buffer is in `state` with its shape, and each key of
+/// `state` is one of their names, a parameter's optimizer slot (`/exp_avg`, `/exp_avg_sq`,
+/// `/step`) or `loss_scaler`. An Error names the first that is not; else the state by name.
 std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
                                                             const std::vector<models::NamedParameter>& params,
+                                                            const std::vector<models::NamedBuffer>& buffers,
                                                             const NamedTensors& state);
+/// The buffers' values from a checked state, copied into `buffers` wherever they live.
+void load_buffers(const std::vector<models::NamedBuffer>& buffers, const std::map<std::string, torch::Tensor>& state);
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 

@@ -416,4 +416,26 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
   });
 }
 
+const std::vector<std::string>& saving_strategies() {
+  static const std::vector<std::string> all = {"baseline", "baseline_checkpoint", "hook_offload",
+                                               "hook_offload_overlap", "hook_offload_sync"};
+  return all;
+}
+
+rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices) {
+  return rc::gen::mapcat(gen_parity_case(strategy, devices), [](ParityCase c) {
+    std::vector<std::string> sources;  // those that train the case's precision
+    for (const auto& s : saving_strategies())
+      if (strategy_supports(s, c.precision)) sources.push_back(s);
+    return rc::gen::apply(
+        [c](const std::string& from, int at) {
+          ParityCase r = c;
+          r.resume_from = from;
+          r.resume_at = at;
+          return r;
+        },
+        rc::gen::elementOf(sources), uniform(1, c.steps - 1));
+  });
+}
+
 }  // namespace strata::correctness

@@ -63,6 +63,13 @@ const std::map<std::string, StrategyTraits>& strategy_traits();
 /// strategy that trains in fp32 only is given fp32 cases only.
 bool strategy_supports(const std::string& strategy, const PrecisionPolicy& policy);
 
+/// The registered strategies that save and load their training state (Strategy::training_state).
+const std::vector<std::string>& saving_strategies();
+
+/// A parity case for `strategy` that starts in another saving strategy (or the same one) and
+/// resumes from its state after 1 or 2 of its 3 steps (ParityCase::resume_from).
+rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices);
+
 /// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with
 /// BatchNorm; world size and up for data-parallel strategies), a seed, ignored targets or not,
 /// the strategy's options, and fp32 or (a third of the cases, where the strategy trains in bf16

@@ -1,9 +1,11 @@
 #include "correctness/support/parity.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -12,6 +14,7 @@
 #include "models/text.h"
 #include "strategies/checkpoint.h"
 #include "strategies/distributed/process_group.h"
+#include "strategies/state_files.h"
 
 namespace strata::correctness {
 
@@ -21,6 +24,7 @@ std::string ParityCase::to_string() const {
   if (ignore_targets) out << " ignore=1";
   if (trainer_order) out << " order=trainer";
   if (!precision.is_fp32()) out << " precision=" << precision.to_string();
+  if (resume_at > 0) out << " resume=" << resume_from << "@" << resume_at;
   for (const auto& [k, v] : options) out << " " << k << "=" << v;
   return out.str();
 }
@@ -53,6 +57,14 @@ ParityCase ParityCase::parse(const std::string& text) {
       c.ignore_targets = models::int_arg(field, key) != 0;
     else if (key == "precision")
       c.precision = PrecisionPolicy::parse(value);
+    else if (key == "resume") {
+      const auto at = value.rfind('@');
+      STRATA_CHECK(at != std::string::npos && at > 0, "parity case '" << text << "': resume=" << value
+                                                                      << " is not STRATEGY@STEP");
+      c.resume_from = value.substr(0, at);
+      c.resume_at = static_cast<int>(models::int_arg(models::Call{"parity case", {{key, value.substr(at + 1)}}}, key));
+      STRATA_CHECK(c.resume_at >= 1, "parity case '" << text << "': resume=" << value << " must resume at step 1 or later");
+    }
     else if (key == "order") {
       STRATA_CHECK(value == "trainer" || value == "checker",
                    "parity case '" << text << "': order=" << value << " is not 'trainer' or 'checker'");
@@ -342,6 +354,24 @@ std::string compare_to_reference(const std::string& what, const NamedTensors& ac
   return {};
 }
 
+// The state of `from` saved to checkpoint files, read back and loaded into `to`, attached to the
+// case's model: a resume as a trainer does it, between processes.
+static std::unique_ptr<Strategy> resumed(Strategy& from, std::unique_ptr<Strategy> to, const ParityCase& c) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("strata-resume-" + std::to_string(::getpid()) + "-" + std::to_string(c.seed));
+  std::filesystem::remove_all(dir);
+  state_files::Manifest m;
+  m.model = c.model_text();
+  m.strategy = from.name();
+  m.step = c.resume_at;
+  const auto saved = state_files::save(dir.string(), m, {{"state.pt", from.training_state()}});
+  const auto state = state_files::load_file(saved, state_files::read_manifest(saved), "state.pt");
+  std::filesystem::remove_all(dir);
+  to->attach(c.build());
+  to->load_training_state(state);
+  return to;
+}
+
 ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device) {
   NoTf32 no_tf32;
   const auto structure = c.build();
@@ -358,7 +388,16 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     const double u = unit_roundoff(c.precision.compute);
 
     // The strategy first: a combination it refuses is named by its own Error, not by a baseline's.
-    auto strategy = make(config);
+    STRATA_CHECK(c.resume_at == 0 || (c.resume_at < c.steps && !c.resume_from.empty()),
+                 "parity case: resume at step " << c.resume_at << " of " << c.steps << " from '" << c.resume_from << "'");
+    std::unique_ptr<Strategy> strategy;
+    if (c.resume_at > 0) {  // the steps before it in another strategy
+      StrategyConfig first = base_config;
+      first.options = Registry::required_options(c.resume_from);
+      strategy = Registry::create(c.resume_from, first);
+    } else {
+      strategy = make(config);
+    }
     strategy->attach(c.build());
     auto reference = Registry::create("baseline", fp64_config);
     reference->attach(in_float64(c.build()));
@@ -423,6 +462,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         !msg.empty())
       return fail(0, msg);
     for (int step = 0; step < c.steps; ++step) {
+      if (step == c.resume_at && c.resume_at > 0) strategy = resumed(*strategy, make(config), c);
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
       const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;

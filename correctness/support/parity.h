@@ -100,6 +100,12 @@ struct ParityCase {
   /// the device layer's delays injected, where the copies run late). Gradients are then not
   /// compared: their bounds, from the references alone, still bound the parameters.
   bool trainer_order = false;
+  /// Resume anywhere: the steps before `resume_at` (1 or more) run in the registered strategy
+  /// `resume_from` (its default options); its training_state() then goes through checkpoint files
+  /// (strategies/state_files.h) into a new instance of the strategy under test, which trains the
+  /// rest. Every step is checked as usual. 0: the strategy under test trains every step.
+  std::string resume_from;
+  int resume_at = 0;
   /// The strategy and the baselines B_k train under it (the float64 reference does not): its
   /// compute dtype's unit roundoff replaces fp32's in the bound, and each B_k moves every
   /// parameter by one ulp of that dtype, so the B_k measure its rounding. Default fp32.

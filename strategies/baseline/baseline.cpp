@@ -112,6 +112,7 @@ NamedTensors Baseline::training_state() {
     if (st.exp_avg_sq.defined()) out.emplace_back(params[i].name + "/exp_avg_sq", st.exp_avg_sq.detach().cpu().clone());
     if (st.step > 0) out.emplace_back(params[i].name + "/step", torch::tensor({st.step}, torch::kLong));
   }
+  for (auto& b : host_copies(model().buffers())) out.push_back(std::move(b));
   out.emplace_back("loss_scaler", scaler_.state());
   return out;
 }
@@ -119,7 +120,7 @@ NamedTensors Baseline::training_state() {
 void Baseline::load_training_state(const NamedTensors& state) {
   const auto& params = model().parameters();
   // Everything checked before anything changes: a bad state leaves this strategy as it was.
-  const auto by_name = checked_training_state(name_, params, state);
+  const auto by_name = checked_training_state(name_, params, model().buffers(), state);
   auto get = [&](const std::string& key) {
     const auto it = by_name.find(key);
     return it == by_name.end() ? torch::Tensor() : it->second;
@@ -135,6 +136,7 @@ void Baseline::load_training_state(const NamedTensors& state) {
     if (auto v = get(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.to(device, torch::kFloat).clone();
     if (auto n = get(name + "/step"); n.defined()) st.step = n.item<int64_t>();
   }
+  load_buffers(model().buffers(), by_name);
   if (auto sc = get("loss_scaler"); sc.defined()) scaler_.restore(sc);
 }
 

@@ -1165,6 +1165,7 @@ NamedTensors HookOffload::training_state() {
     if (st.exp_avg_sq.defined()) out.emplace_back(params[p].name + "/exp_avg_sq", slice(st.exp_avg_sq));
     if (st.step > 0) out.emplace_back(params[p].name + "/step", torch::tensor({st.step}, torch::kLong));
   }
+  for (auto& b : buffers()) out.push_back(std::move(b));
   out.emplace_back("loss_scaler", scaler_.state());
   return out;
 }
@@ -1172,7 +1173,7 @@ NamedTensors HookOffload::training_state() {
 void HookOffload::load_training_state(const NamedTensors& state) {
   const auto& params = model().parameters();
   // Everything checked before anything changes: a bad state leaves this strategy as it was.
-  const auto by_name = checked_training_state(name_, params, state);
+  const auto by_name = checked_training_state(name_, params, model().buffers(), state);
   auto get = [&](const std::string& key) {
     const auto it = by_name.find(key);
     return it == by_name.end() ? torch::Tensor() : it->second;
@@ -1237,6 +1238,8 @@ void HookOffload::load_training_state(const NamedTensors& state) {
     unit.optimizer() = std::move(st);
     unit.optimizer_slots[1 - unit.optimizer_now] = {};  // a tied unit's spare: written whole by its next step
   }
+  device::synchronize(config_.device);  // no forward still reads the buffers
+  load_buffers(model().buffers(), by_name);
   if (auto sc = get("loss_scaler"); sc.defined()) scaler_.restore(sc);
 }
 
