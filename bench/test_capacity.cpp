@@ -134,7 +134,9 @@ TEST(CapacitySearch, from_a_guess_probes_it_first_and_pays_for_its_distance_in_d
         const int64_t distance = std::abs(largest - guess) + 1;
         EXPECT_LE(s.asked.size(), 2 + 2 * static_cast<size_t>(std::ceil(std::log2(static_cast<double>(distance)))))
             << "a guess " << distance - 1 << " off costs at most two probes per doubling";
-        if (guess == largest && largest < hi && largest > 0) EXPECT_EQ(s.asked, (std::vector<int64_t>{largest, largest + 1}));
+        if (guess == largest && largest < hi && largest > 0) {
+          EXPECT_EQ(s.asked, (std::vector<int64_t>{largest, largest + 1}));
+        }
       }
   // Within a resolution, and an error ends it, as in bisect.
   StandIn r{500};

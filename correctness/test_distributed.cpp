@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 
 #include "correctness/support/agreement.h"
@@ -21,6 +22,7 @@
 #include "correctness/support/test_device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/sharded/sharded.h"
+#include "strategies/state_files.h"
 
 namespace strata {
 namespace {
@@ -224,6 +226,151 @@ TEST(Distributed, parity_holds_with_injected_delays_and_a_missing_wait_is_caught
 // 0's. So after each step buffers() is the same on every rank, and it is what a forward of the
 // model (the step's starting parameters and buffers) over rank 0's slice of the batch leaves,
 // worked out here with the model alone. A BatchNorm's running statistics differ slice by slice.
+// Checkpoints of a sharded run: each rank saves its shard (state_files::save_ranks), and the
+// files together are the whole state, which loads into any strategy at any world.
+void barrier() {
+  auto t = torch::zeros({1});
+  distributed::group_for(torch::Device(torch::kCPU))->all_reduce(t).wait();
+}
+std::string shared_dir(const std::string& what) {  // the same on every rank of this launch
+  const char* port = std::getenv("MASTER_PORT");
+  return (std::filesystem::temp_directory_path() / ("strata-" + what + "-" + (port ? port : "0"))).string();
+}
+std::unique_ptr<Strategy> trained_on(std::unique_ptr<Strategy> s, const models::ModelConfig& model, int first, int steps,
+                                     const NamedTensors* state = nullptr) {
+  s->attach(models::build_model(model, 3));
+  if (state) s->load_training_state(*state);
+  for (int i = 0; i < steps; ++i) {
+    s->train_step(models::make_batch(model, 2 * world() + 1, 100 + first + i));
+    s->optimizer_step();
+  }
+  return s;
+}
+std::unique_ptr<Strategy> create(const std::string& name, const std::string& precision = "fp32") {
+  StrategyConfig c;
+  c.device = test::device();
+  c.optimizer.kind = OptimizerKind::adamw;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.eps = 1e-5;  // an update of a gradient of pure rounding noise stays small (as in parity)
+  c.precision = PrecisionPolicy::parse(precision);
+  return Registry::create(name, c);
+}
+
+// Three steps, each rank's shard to its file, a new instance loads every file, two more steps:
+// equal to the bit to five steps without the break. The files, read whole by a baseline in one
+// process, hold exactly the sharded run's parameters and moments (the consolidated state).
+TEST(Distributed, a_sharded_resume_is_exact_and_its_files_are_the_whole_state) {
+  const auto model = models::preset("gpt-tiny").config;
+  for (const auto& strategy : kDataParallel)
+    for (const auto* precision : {"fp32", "bf16"}) {
+      SCOPED_TRACE(strategy + " " + precision + " at world " + std::to_string(world()));
+      const auto dir = shared_dir("resume");
+      if (rank() == 0) std::filesystem::remove_all(dir);
+      barrier();
+      const auto whole = trained_on(create(strategy, precision), model, 0, 5)->parameters();
+      auto first = trained_on(create(strategy, precision), model, 0, 3);
+      state_files::Manifest m;
+      m.model = model.to_string();
+      m.strategy = strategy;
+      m.step = 3;
+      const auto saved = state_files::save_ranks(dir, m, rank(), world(), first->training_state(), barrier);
+      EXPECT_EQ(state_files::read_manifest(saved).world, world());
+      const auto state = state_files::load_all(saved);
+      const auto resumed = trained_on(create(strategy, precision), model, 3, 2, &state)->parameters();
+      ASSERT_EQ(resumed.size(), whole.size());
+      for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(resumed[i].second, whole[i].second)) << whole[i].first;
+      // Consolidated: a baseline here takes every rank's file and holds the run's state whole.
+      auto base = create("baseline", precision);
+      base->attach(models::build_model(model, 3));
+      base->load_training_state(state);
+      const auto params = first->parameters();
+      const auto base_params = base->parameters();
+      for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(base_params[i].second, params[i].second)) << params[i].first;
+      StateIndex shards;
+      shards.add(state);
+      for (const auto& [name, t] : base->training_state())
+        EXPECT_TRUE(torch::equal(shards.whole(name, t.sizes()), t)) << name;
+      barrier();
+      if (rank() == 0) std::filesystem::remove_all(dir);
+    }
+}
+
+// For the tools (ctest cpu.checkpoint.*): a sharded run of gpt-tiny saved after two steps into
+// $STRATA_CHECKPOINT_DIR by every rank, and its parameters beside it (rank 0, "expected.pt").
+TEST(DistributedCheckpoint, a_sharded_run_saves_for_the_tools) {
+  const char* dir = std::getenv("STRATA_CHECKPOINT_DIR");
+  ASSERT_NE(dir, nullptr) << "STRATA_CHECKPOINT_DIR names where to save";
+  const auto model = models::preset("gpt-tiny").config;
+  auto s = trained_on(create("sharded"), model, 0, 2);
+  state_files::Manifest m;
+  m.model = model.to_string();
+  m.strategy = "sharded";
+  m.step = 2;
+  const auto saved = state_files::save_ranks(dir, m, rank(), world(), s->training_state(), barrier);
+  const auto params = s->parameters();
+  if (rank() == 0) state_files::save(std::string(dir) + "/expected", m, {{"parameters.pt", params}});
+  EXPECT_FALSE(saved.empty());
+}
+
+// The tools' checkpoint (saved by the test above at another world) loads into sharded here: every
+// rank holds exactly the saved values, so the parameters are the run's and each rank's pieces of
+// the moments are the saved moments'.
+TEST(DistributedCheckpoint, a_sharded_save_loads_at_this_world) {
+  const char* dir = std::getenv("STRATA_CHECKPOINT_DIR");
+  ASSERT_NE(dir, nullptr) << "STRATA_CHECKPOINT_DIR names the checkpoint";
+  const auto saved = state_files::latest(dir);
+  ASSERT_FALSE(saved.empty()) << "no checkpoint in " << dir;
+  const auto manifest = state_files::read_manifest(saved);
+  ASSERT_NE(manifest.world, world()) << "the checkpoint should come from another world";
+  const auto state = state_files::load_all(saved);
+  const auto expected_dir = std::string(dir) + "/expected/step-000000002";
+  const auto expected = state_files::load_file(expected_dir, state_files::read_manifest(expected_dir), "parameters.pt");
+  auto s = trained_on(create("sharded"), models::ModelConfig::parse(manifest.model), 0, 0, &state);
+  const auto params = s->parameters();
+  ASSERT_EQ(params.size(), expected.size());
+  const std::map<std::string, torch::Tensor> want(expected.begin(), expected.end());
+  for (const auto& [name, t] : params) EXPECT_TRUE(torch::equal(t, want.at(name))) << name;
+  StateIndex saved_index, mine;
+  saved_index.add(state);
+  for (const auto& [key, t] : s->training_state()) {
+    const auto at = key.rfind('@');
+    if (at == std::string::npos) continue;
+    const auto offset = std::stoll(key.substr(at + 1));
+    EXPECT_TRUE(torch::equal(t, saved_index.range(key.substr(0, at), offset, offset + t.numel()))) << key;
+  }
+}
+
+// A whole state (a baseline's, one process) loads into sharded at this world: each rank's pieces
+// hold exactly the state's values, moments and step counts included, and two more steps land where
+// the baseline's two more do (to rounding: the ranks sum gradients in another order).
+TEST(Distributed, a_whole_state_loads_into_sharded_at_any_world) {
+  const auto model = models::preset("gpt-tiny").config;
+  const auto state = trained_on(create("baseline"), model, 0, 3)->training_state();
+  const std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
+  const auto base_after = trained_on(create("baseline"), model, 3, 2, &state)->parameters();
+  for (const auto& strategy : kDataParallel) {
+    SCOPED_TRACE(strategy + " at world " + std::to_string(world()));
+    auto s = trained_on(create(strategy), model, 0, 0, &state);
+    for (const auto& [key, t] : s->training_state()) {
+      const auto at = key.rfind('@');
+      const auto name = key.substr(0, at);
+      ASSERT_TRUE(by_name.count(name)) << key;
+      const auto& saved = by_name.at(name);
+      if (at == std::string::npos)
+        EXPECT_TRUE(torch::equal(t, saved)) << key;
+      else
+        EXPECT_TRUE(torch::equal(t, saved.reshape({-1}).narrow(0, std::stoll(key.substr(at + 1)), t.numel()))) << key;
+    }
+    for (int i = 0; i < 2; ++i) {
+      s->train_step(models::make_batch(model, 2 * world() + 1, 100 + 3 + i));
+      s->optimizer_step();
+    }
+    const auto after = s->parameters();
+    for (size_t i = 0; i < after.size(); ++i)
+      EXPECT_LE((after[i].second - base_after[i].second).abs().max().item<double>(), 1e-5) << after[i].first;
+  }
+}
+
 TEST(Distributed, buffers_are_rank_zeros_on_every_rank) {
   const auto spec = correctness::ChainSpec::parse("chain(in=3 width=5 classes=4 blocks=lin,bn,act,lin)");
   const int64_t batch_size = 2 * world() + 3;  // uneven slices from 3 ranks on

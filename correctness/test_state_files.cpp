@@ -190,6 +190,81 @@ TEST(StateFiles, pytorch_loads_the_files) {
 }
 
 
+// A state in pieces (a sharded strategy's ranks) reads back whole or in any range, wherever the
+// pieces split it; gaps, overlaps and a size of another model are named.
+TEST(StateIndex, pieces_read_back_whole_or_in_any_range_and_gaps_are_named) {
+  const auto full = torch::arange(10, torch::kFloat).reshape({2, 5});
+  const auto flat = full.reshape({-1});
+  StateIndex index;
+  index.add({{piece_key("w", 0), flat.narrow(0, 0, 4).clone()}, {"step", torch::tensor({3}, torch::kLong)}});
+  index.add({{piece_key("w", 7), flat.narrow(0, 7, 3).clone()}, {piece_key("w", 4), flat.narrow(0, 4, 3).clone()}});
+  EXPECT_TRUE(torch::equal(index.whole("w", {2, 5}), full));
+  EXPECT_TRUE(torch::equal(index.find("w"), flat));
+  EXPECT_EQ(index.find("step").item<int64_t>(), 3);
+  EXPECT_FALSE(index.find("nope").defined());
+  for (int64_t begin = 0; begin <= 10; ++begin)
+    for (int64_t end = begin; end <= 10; ++end)
+      EXPECT_TRUE(torch::equal(index.range("w", begin, end), flat.narrow(0, begin, end - begin))) << begin << " " << end;
+  EXPECT_EQ(index.names(), (std::vector<std::string>{"step", "w"}));
+  EXPECT_THAT([&] { index.whole("w", {2, 6}); }, ThrowsMessage<Error>(HasSubstr("'w' has 10 elements in the state, 12 here")));
+  EXPECT_THAT([&] { index.whole("step", {2}); }, ThrowsMessage<Error>(HasSubstr("'step' is [1] in the state, [2] here")));
+  StateIndex gap;
+  gap.add({{piece_key("w", 0), flat.narrow(0, 0, 4).clone()}, {piece_key("w", 6), flat.narrow(0, 6, 4).clone()}});
+  EXPECT_THAT([&] { gap.range("w", 2, 8); }, ThrowsMessage<Error>(HasSubstr("'w' has no element 4 (a missing shard?)")));
+  EXPECT_THAT([&] { gap.add({{piece_key("w", 3), flat.narrow(0, 3, 2).clone()}}); },
+              ThrowsMessage<Error>(HasSubstr("pieces of 'w' at 0 and 3 overlap")));
+  EXPECT_THAT([&] { gap.add({{"w", full}}); }, ThrowsMessage<Error>(HasSubstr("'w' twice")));
+  EXPECT_THAT([&] { gap.add({{"v@x", flat}}); }, ThrowsMessage<Error>(HasSubstr("'v@x' is neither a name nor name@offset")));
+}
+
+// A checkpoint in pieces over two files (as two ranks save it) consolidates into one whole file
+// holding exactly the state, every tensor in its model's shape.
+TEST(StateFiles, a_checkpoint_in_pieces_consolidates_into_the_whole_state) {
+  StrategyConfig config;
+  config.optimizer.kind = OptimizerKind::adamw;
+  auto s = Registry::create("baseline", config);
+  const auto model = models::preset("gpt-tiny").config;
+  s->attach(models::build_model(model, 3));
+  s->train_step(models::make_batch(model, 4, 1));
+  s->optimizer_step();
+  const auto state = s->training_state();
+  NamedTensors rank0, rank1;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& p : s->parameters()) shapes[p.first] = p.second.sizes().vec();
+  for (const auto& [name, t] : state) {
+    const auto base = name.substr(0, name.rfind('/'));
+    if (!shapes.count(base) || (name.size() > base.size() + 1 && name.substr(base.size()) == "/step")) {
+      rank0.emplace_back(name, t);
+      continue;
+    }
+    const auto flat = t.reshape({-1});
+    const int64_t half = flat.numel() / 3;  // uneven
+    rank0.emplace_back(piece_key(name, 0), flat.narrow(0, 0, half).clone());
+    rank1.emplace_back(piece_key(name, half), flat.narrow(0, half, flat.numel() - half).clone());
+  }
+  TempDir dir, out;
+  auto m = manifest_at(1);
+  m.model = model.to_string();
+  m.layout = "pieces";
+  const auto saved = state_files::save(dir.path, m, {{"rank-0.pt", rank0}, {"rank-1.pt", rank1}});
+  const auto whole_dir = state_files::consolidate(saved, out.path, shapes);
+  const auto manifest = state_files::read_manifest(whole_dir);
+  EXPECT_EQ(manifest.world, 1);
+  EXPECT_EQ(manifest.layout, "full");
+  const auto whole = state_files::load_file(whole_dir, manifest, "state.pt");
+  const std::map<std::string, torch::Tensor> got(whole.begin(), whole.end());
+  ASSERT_EQ(got.size(), state.size());
+  for (const auto& [name, t] : state) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_EQ(got.at(name).sizes(), t.sizes()) << name;
+    EXPECT_TRUE(torch::equal(got.at(name), t)) << name;
+  }
+  // A file missing is named, not filled in.
+  std::filesystem::remove(std::filesystem::path(saved) / "rank-1.pt");
+  EXPECT_THAT([&] { state_files::consolidate(saved, out.path + "-2", shapes); },
+              ThrowsMessage<Error>(HasSubstr("file 'rank-1.pt' is missing")));
+}
+
 // Resume is exact: k steps, the state saved to files and loaded into a new instance, j more steps,
 // equal to the bit to k + j steps without the break; the loss scaler and AdamW's step counts
 // (its bias correction) come back too.
@@ -235,6 +310,9 @@ const std::vector<Saving>& saving_strategies() {
       {"hook_offload_overlap", {{"tied_early", "1"}}},
       {"hook_offload", {{"resident", "1"}, {"resident_updates", "device"}}},
       {"hook_offload_sync", {}},
+      {"sharded", {}},
+      {"sharded", {{"reshard_after_forward", "0"}}},
+      {"sharded_offload", {}},
   };
   return all;
 }

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "models/check.h"
+#include "strategies/training_state.h"
 
 namespace strata::state_files {
 namespace fs = std::filesystem;
@@ -151,6 +152,80 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
   fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
   fs::rename(partial, final_dir);
   return final_dir.string();
+}
+
+std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
+                       const std::function<void()>& barrier) {
+  const fs::path root(dir), final_dir = root / step_name(manifest.step);
+  const fs::path partial = root / (step_name(manifest.step) + ".partial");
+  STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
+  if (rank == 0) {
+    fs::remove_all(partial);  // a save of this step cut short before
+    fs::create_directories(partial);
+  }
+  barrier();
+  // Each rank's file, then a line of its size, checksum and dtypes beside it for rank 0.
+  const std::string name = "rank-" + std::to_string(rank) + ".pt";
+  c10::Dict<std::string, torch::Tensor> dict;
+  std::ostringstream entry;
+  for (const auto& [key, t] : tensors) {
+    STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in rank " << rank << "'s part");
+    dict.insert(key, t.detach().to(torch::kCPU).contiguous());
+    entry << key << " " << c10::toString(t.scalar_type()) << "\n";
+  }
+  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  write_bytes(partial / name, bytes.data(), bytes.size());
+  const auto sums = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size())) + "\n" + entry.str();
+  write_bytes(partial / (name + ".entry"), sums.data(), sums.size());
+  barrier();
+  if (rank == 0) {
+    manifest.world = world;
+    manifest.layout = "pieces";
+    manifest.files.clear();
+    manifest.dtypes.clear();
+    for (int r = 0; r < world; ++r) {
+      const std::string file = "rank-" + std::to_string(r) + ".pt";
+      const auto text = read_bytes(partial / (file + ".entry"));
+      std::istringstream in(std::string(text.begin(), text.end()));
+      FileEntry e{file, 0, 0};
+      STRATA_CHECK(in >> e.bytes >> e.crc32, "checkpoint: rank " << r << "'s entry in " << partial.string() << " cannot be read");
+      std::string key, dtype;
+      while (in >> key >> dtype) manifest.dtypes[key] = dtype;
+      manifest.files.push_back(e);
+      fs::remove(partial / (file + ".entry"));
+    }
+    const auto text = manifest.to_text();
+    write_bytes(partial / (std::string(kManifest) + ".tmp"), text.data(), text.size());
+    fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
+    fs::rename(partial, final_dir);
+  }
+  barrier();
+  return final_dir.string();
+}
+
+NamedTensors load_all(const std::string& checkpoint) {
+  const auto manifest = read_manifest(checkpoint);
+  NamedTensors out;
+  for (const auto& f : manifest.files)
+    for (auto& t : load_file(checkpoint, manifest, f.name)) out.push_back(std::move(t));
+  return out;
+}
+
+std::string consolidate(const std::string& checkpoint, const std::string& out_dir,
+                        const std::map<std::string, std::vector<int64_t>>& shapes) {
+  auto manifest = read_manifest(checkpoint);
+  StateIndex index;
+  index.add(load_all(checkpoint));
+  NamedTensors whole;
+  for (const auto& name : index.names()) {
+    const auto slash = name.rfind('/');
+    const auto base = slash == std::string::npos ? name : name.substr(0, slash);
+    const bool shaped = shapes.count(name) || (slash != std::string::npos && name.substr(slash) != "/step" && shapes.count(base));
+    whole.emplace_back(name, shaped ? index.whole(name, shapes.count(name) ? shapes.at(name) : shapes.at(base)) : index.find(name));
+  }
+  manifest.layout = "full";
+  manifest.world = 1;
+  return save(out_dir, manifest, {{"state.pt", whole}});
 }
 
 std::string latest(const std::string& dir) {

@@ -28,7 +28,9 @@ struct Manifest {
   int format = kFormat;
   std::string model;      ///< ModelConfig text (or a chain's)
   std::string strategy;   ///< the registered name that saved it
-  std::string layout = "full";  ///< how tensors are split over the files ("full": each whole, once)
+  /// How tensors are split over the files: "full", each whole, once; "pieces", each rank's
+  /// elements of a tensor as "name@offset" (training_state.h) in its own file.
+  std::string layout = "full";
   int world = 1;
   int64_t step = 0;
   std::vector<FileEntry> files;
@@ -53,6 +55,23 @@ struct SaveHooks {
 /// files and dtypes are filled in here. An existing checkpoint of that step is an Error.
 std::string save(const std::string& dir, Manifest manifest, const std::map<std::string, NamedTensors>& files,
                  const SaveHooks& hooks = {});
+
+/// The same save by every rank of a group at once, each rank's `tensors` in its own file
+/// ("rank-<rank>.pt"): `barrier` returns once every rank has called it (the group's). Rank 0 makes
+/// the directory, and writes the manifest and renames the directory once every rank's file is
+/// whole. Returns the checkpoint's directory on every rank; `manifest.world` is set to `world`.
+std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
+                       const std::function<void()>& barrier);
+/// Every file of a checkpoint, read and checked: all ranks' parts of a state, for
+/// Strategy::load_training_state on any strategy and world.
+NamedTensors load_all(const std::string& checkpoint);
+
+/// A checkpoint of any layout (every rank's pieces, or whole) written again as one whole state:
+/// each tensor under its canonical name in one file "state.pt", shaped as `shapes` gives it (a
+/// parameter's or buffer's name; its optimizer slots take its shape), anything else as saved;
+/// manifest world 1, layout "full", the same step, under `out_dir`. Returns its directory.
+std::string consolidate(const std::string& checkpoint, const std::string& out_dir,
+                        const std::map<std::string, std::vector<int64_t>>& shapes);
 
 /// The newest complete checkpoint under `dir` (the highest step with a manifest), or "" if none.
 std::string latest(const std::string& dir);

@@ -20,11 +20,11 @@ void Strategy::attach(models::BlockModel model) {
 }
 
 NamedTensors Strategy::training_state() {
-  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint and the hook_offload family do)");
+  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint, the hook_offload family and sharded do)");
 }
 
 void Strategy::load_training_state(const NamedTensors&) {
-  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint and the hook_offload family do)");
+  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint, the hook_offload family and sharded do)");
 }
 
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
@@ -35,20 +35,22 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {
   return out;
 }
 
-std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
-                                                            const std::vector<models::NamedParameter>& params,
-                                                            const std::vector<models::NamedBuffer>& buffers,
-                                                            const NamedTensors& state) {
-  std::map<std::string, torch::Tensor> by_name;
-  for (const auto& [key, t] : state)
-    STRATA_CHECK(by_name.emplace(key, t).second, strategy << ": the state has '" << key << "' twice");
+StateIndex checked_training_state(const std::string& strategy, const std::vector<models::NamedParameter>& params,
+                                  const std::vector<models::NamedBuffer>& buffers, const NamedTensors& state) {
+  StateIndex index;
+  try {
+    index.add(state);
+  } catch (const Error& e) {
+    STRATA_FAIL(strategy << ": " << e.what());
+  }
   std::set<std::string> known = {"loss_scaler"};
   auto check = [&](const models::NamedParameter& p) {
-    const auto it = by_name.find(p.name);
-    STRATA_CHECK(it != by_name.end(), strategy << ": the state has no '" << p.name << "' (another model?)");
-    STRATA_CHECK(it->second.sizes() == p.tensor.sizes(), strategy << ": '" << p.name << "' is " << it->second.sizes()
-                                                                  << " in the state, " << p.tensor.sizes()
-                                                                  << " here (another model?)");
+    STRATA_CHECK(index.has(p.name), strategy << ": the state has no '" << p.name << "' (another model?)");
+    try {
+      index.whole(p.name, p.tensor.sizes());  // shape, or pieces that cover it exactly
+    } catch (const Error& e) {
+      STRATA_FAIL(strategy << ": " << e.what());
+    }
   };
   for (const auto& p : params) {
     check(p);
@@ -58,14 +60,14 @@ std::map<std::string, torch::Tensor> checked_training_state(const std::string& s
     check(b);
     known.insert(b.name);
   }
-  for (const auto& [key, t] : by_name)
-    STRATA_CHECK(known.count(key), strategy << ": the state has '" << key << "', which this model has not");
-  return by_name;
+  for (const auto& name : index.names())
+    STRATA_CHECK(known.count(name), strategy << ": the state has '" << name << "', which this model has not");
+  return index;
 }
 
-void load_buffers(const std::vector<models::NamedBuffer>& buffers, const std::map<std::string, torch::Tensor>& state) {
+void load_buffers(const std::vector<models::NamedBuffer>& buffers, const StateIndex& state) {
   torch::NoGradGuard no_grad;
-  for (const auto& b : buffers) b.tensor.copy_(state.at(b.name));
+  for (const auto& b : buffers) b.tensor.copy_(state.whole(b.name, b.tensor.sizes()));
 }
 
 }  // namespace strata

@@ -10,13 +10,13 @@
 #include <vector>
 
 #include "models/model.h"
+#include "strategies/training_state.h"
 #include "strategies/optim.h"
 #include "strategies/precision.h"
 
 namespace strata {
 
 /// Host tensors by canonical name, in canonical order; tied parameters appear once.
-using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 /// Memory of one device, in bytes.
 struct DeviceMemory {
@@ -145,13 +145,12 @@ NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors);
 /// What load_training_state() checks before it changes anything, for strategy `strategy` holding
 /// `params` and `buffers`: each parameter and buffer is in `state` with its shape, and each key of
 /// `state` is one of their names, a parameter's optimizer slot (`/exp_avg`, `/exp_avg_sq`,
-/// `/step`) or `loss_scaler`. An Error names the first that is not; else the state by name.
-std::map<std::string, torch::Tensor> checked_training_state(const std::string& strategy,
-                                                            const std::vector<models::NamedParameter>& params,
-                                                            const std::vector<models::NamedBuffer>& buffers,
-                                                            const NamedTensors& state);
+/// `/step`) or `loss_scaler`, whole or in pieces (training_state.h). An Error names the first that
+/// is not; else the state's index.
+StateIndex checked_training_state(const std::string& strategy, const std::vector<models::NamedParameter>& params,
+                                  const std::vector<models::NamedBuffer>& buffers, const NamedTensors& state);
 /// The buffers' values from a checked state, copied into `buffers` wherever they live.
-void load_buffers(const std::vector<models::NamedBuffer>& buffers, const std::map<std::string, torch::Tensor>& state);
+void load_buffers(const std::vector<models::NamedBuffer>& buffers, const StateIndex& state);
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const StrategyConfig&)>;
 

@@ -417,8 +417,9 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
 }
 
 const std::vector<std::string>& saving_strategies() {
-  static const std::vector<std::string> all = {"baseline", "baseline_checkpoint", "hook_offload",
-                                               "hook_offload_overlap", "hook_offload_sync"};
+  static const std::vector<std::string> all = {"baseline",     "baseline_checkpoint", "hook_offload",
+                                               "hook_offload_overlap", "hook_offload_sync", "sharded",
+                                               "sharded_offload"};
   return all;
 }
 

@@ -121,19 +121,17 @@ void Baseline::load_training_state(const NamedTensors& state) {
   const auto& params = model().parameters();
   // Everything checked before anything changes: a bad state leaves this strategy as it was.
   const auto by_name = checked_training_state(name_, params, model().buffers(), state);
-  auto get = [&](const std::string& key) {
-    const auto it = by_name.find(key);
-    return it == by_name.end() ? torch::Tensor() : it->second;
-  };
+  auto get = [&](const std::string& key) { return by_name.find(key); };
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& name = params[i].name;
-    params[i].tensor.copy_(get(name));
+    params[i].tensor.copy_(get(name).view(params[i].tensor.sizes()));
     auto& st = optimizer_state_[i];
     st = {};
     const auto device = params[i].tensor.device();
-    if (auto m = get(name + "/exp_avg"); m.defined()) st.exp_avg = m.to(device, torch::kFloat).clone();
-    if (auto v = get(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.to(device, torch::kFloat).clone();
+    const auto shape = params[i].tensor.sizes();
+    if (auto m = get(name + "/exp_avg"); m.defined()) st.exp_avg = m.view(shape).to(device, torch::kFloat).clone();
+    if (auto v = get(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.view(shape).to(device, torch::kFloat).clone();
     if (auto n = get(name + "/step"); n.defined()) st.step = n.item<int64_t>();
   }
   load_buffers(model().buffers(), by_name);

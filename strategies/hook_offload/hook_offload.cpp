@@ -1174,10 +1174,7 @@ void HookOffload::load_training_state(const NamedTensors& state) {
   const auto& params = model().parameters();
   // Everything checked before anything changes: a bad state leaves this strategy as it was.
   const auto by_name = checked_training_state(name_, params, model().buffers(), state);
-  auto get = [&](const std::string& key) {
-    const auto it = by_name.find(key);
-    return it == by_name.end() ? torch::Tensor() : it->second;
-  };
+  auto get = [&](const std::string& key) { return by_name.find(key); };
   // A unit's parameters train together: one step count, and its moments whole or not at all.
   std::vector<int64_t> steps(units_.size(), -1);
   std::vector<bool> moments(units_.size(), false);

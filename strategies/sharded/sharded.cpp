@@ -700,6 +700,107 @@ NamedTensors Sharded::gradients() {
 NamedTensors Sharded::parameters() { return full_tensors(/*grads=*/false); }
 NamedTensors Sharded::buffers() { return host_copies(model().buffers()); }
 
+NamedTensors Sharded::training_state() {
+  const auto& params = model().parameters();
+  finish_reductions();
+  finish_pending();
+  device::synchronize(device_);
+  for (const auto& unit : units_)
+    STRATA_CHECK(!unit.has_grad, name_ << ": training_state() after optimizer_step, with no gradient accumulated");
+  const int64_t r = rank();
+  NamedTensors out;
+  auto host = [](const torch::Tensor& t) { return t.to(torch::kCPU, false, /*copy=*/true); };
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto [u, offset] = param_slot_[p];
+    const auto& unit = units_[u];
+    const auto& name = params[p].name;
+    const int64_t numel = params[p].tensor.numel(), mine = r * unit.shard_numel;
+    // This rank's elements of the parameter: [a, b) in the unit's flat.
+    const int64_t a = std::max(offset, mine), b = std::min(offset + numel, mine + unit.shard_numel);
+    if (a >= b) continue;
+    out.emplace_back(piece_key(name, a - offset), host(unit.shard.narrow(0, a - mine, b - a)));
+    if (offset + numel > unit.trainable_numel) continue;  // frozen: no optimizer state
+    const auto& st = unit.optimizer;
+    if (st.exp_avg.defined()) out.emplace_back(piece_key(name + "/exp_avg", a - offset), host(st.exp_avg.narrow(0, a - mine, b - a)));
+    if (st.exp_avg_sq.defined())
+      out.emplace_back(piece_key(name + "/exp_avg_sq", a - offset), host(st.exp_avg_sq.narrow(0, a - mine, b - a)));
+    if (st.step > 0 && a == offset) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
+  }
+  if (r == 0) {
+    for (auto& b : buffers()) out.push_back(std::move(b));
+    out.emplace_back("loss_scaler", scaler_.state());
+  }
+  return out;
+}
+
+void Sharded::load_training_state(const NamedTensors& state) {
+  const auto& params = model().parameters();
+  // Everything checked before anything changes: a bad state leaves this strategy as it was.
+  const auto index = checked_training_state(name_, params, model().buffers(), state);
+  const int64_t r = rank();
+  // Read first, written after: a range that is missing fails before any shard changes.
+  struct Loaded {
+    torch::Tensor shard, exp_avg, exp_avg_sq;
+    int64_t step = 0;
+  };
+  std::vector<Loaded> loaded(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& unit = units_[u];
+    auto& l = loaded[u];
+    const int64_t mine = r * unit.shard_numel;
+    l.shard = torch::zeros({unit.shard_numel});  // the padding stays zeros
+    bool moments = false, first = true;
+    for (auto p : unit.params) {
+      const auto offset = param_slot_[p].second;
+      const auto& name = params[p].name;
+      const int64_t numel = params[p].tensor.numel();
+      const bool trains = offset + numel <= unit.trainable_numel;
+      if (trains) {  // one step count and the moments whole or not at all, for every parameter of a unit
+        const auto n = index.find(name + "/step");
+        const int64_t step = n.defined() ? n.item<int64_t>() : 0;
+        const bool has = index.has(name + "/exp_avg");
+        STRATA_CHECK(first || (step == l.step && has == moments),
+                     name_ << ": '" << name << "' is at step " << step << (has ? " with" : " without")
+                           << " optimizer state, the parameters it is sharded with at step " << l.step
+                           << (moments ? " with" : " without"));
+        l.step = step;
+        moments = has;
+        first = false;
+      }
+      const int64_t a = std::max(offset, mine), b = std::min(offset + numel, mine + unit.shard_numel);
+      if (a >= b) continue;
+      l.shard.narrow(0, a - mine, b - a).copy_(index.range(name, a - offset, b - offset));
+      if (!trains || !moments || unit.trainable_in_shard == 0) continue;
+      if (!l.exp_avg.defined()) {
+        l.exp_avg = torch::zeros({unit.trainable_in_shard});
+        if (config_.optimizer.kind == OptimizerKind::adamw) l.exp_avg_sq = torch::zeros({unit.trainable_in_shard});
+      }
+      l.exp_avg.narrow(0, a - mine, b - a).copy_(index.range(name + "/exp_avg", a - offset, b - offset));
+      if (l.exp_avg_sq.defined())
+        l.exp_avg_sq.narrow(0, a - mine, b - a).copy_(index.range(name + "/exp_avg_sq", a - offset, b - offset));
+    }
+  }
+  finish_reductions();
+  finish_pending();
+  for (int64_t b = 0; b < static_cast<int64_t>(windows_.size()); ++b) drop_window(b);  // gathered: old values
+  device::synchronize(device_);
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = units_[u];
+    auto& l = loaded[u];
+    STRATA_CHECK(!unit.has_grad, name_ << ": load_training_state() after optimizer_step, with no gradient accumulated");
+    unit.shard.copy_(l.shard);
+    if (unit.travel.defined()) unit.travel.copy_(unit.shard);
+    const auto where = unit.shard.device();
+    unit.optimizer = {};
+    if (l.exp_avg.defined()) unit.optimizer.exp_avg = l.exp_avg.to(where);
+    if (l.exp_avg_sq.defined()) unit.optimizer.exp_avg_sq = l.exp_avg_sq.to(where);
+    unit.optimizer.step = unit.trainable_in_shard > 0 ? l.step : 0;
+  }
+  load_buffers(model().buffers(), index);
+  if (auto sc = index.find("loss_scaler"); sc.defined()) scaler_.restore(sc);
+}
+
 Stats Sharded::stats() {
   model();  // before attach: an Error, as every strategy's
   Stats s;

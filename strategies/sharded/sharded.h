@@ -72,6 +72,12 @@ class Sharded : public Strategy, public WindowedRunner {
   NamedTensors gradients() override;
   NamedTensors parameters() override;
   NamedTensors buffers() override;
+  /// This rank's part of the state: each parameter's and moment's elements in its shard as pieces
+  /// (training_state.h), each step count by the rank holding the parameter's first element, the
+  /// buffers and the loss scaler by rank 0. The ranks' parts together are the whole state, and
+  /// load_training_state() takes any state (whole, or all ranks' parts of any world) on every rank.
+  NamedTensors training_state() override;
+  void load_training_state(const NamedTensors& state) override;
   bool accumulates_gradients() const override { return !options_.overlap_optimizer; }
   bool supports(const PrecisionPolicy& policy) const override;
   void finish_backward() override;
