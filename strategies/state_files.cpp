@@ -155,7 +155,7 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
 }
 
 std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
-                       const std::function<void()>& barrier) {
+                       const std::function<void()>& barrier, const SaveHooks& hooks) {
   const fs::path root(dir), final_dir = root / step_name(manifest.step);
   const fs::path partial = root / (step_name(manifest.step) + ".partial");
   STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
@@ -177,6 +177,7 @@ std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int 
   write_bytes(partial / name, bytes.data(), bytes.size());
   const auto sums = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size())) + "\n" + entry.str();
   write_bytes(partial / (name + ".entry"), sums.data(), sums.size());
+  if (hooks.after_file) hooks.after_file(name);
   barrier();
   if (rank == 0) {
     manifest.world = world;

@@ -61,7 +61,7 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
 /// the directory, and writes the manifest and renames the directory once every rank's file is
 /// whole. Returns the checkpoint's directory on every rank; `manifest.world` is set to `world`.
 std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
-                       const std::function<void()>& barrier);
+                       const std::function<void()>& barrier, const SaveHooks& hooks = {});
 /// Every file of a checkpoint, read and checked: all ranks' parts of a state, for
 /// Strategy::load_training_state on any strategy and world.
 NamedTensors load_all(const std::string& checkpoint);
