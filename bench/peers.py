@@ -90,7 +90,13 @@ class Block(nn.Module):
     def attention(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=not self.bert)
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=not self.bert)
+        else:  # torch before 2.0 (Debian's 1.13): the same product written out
+            scores = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5
+            if not self.bert:
+                scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            y = scores.softmax(-1) @ v
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
     def forward(self, x):
@@ -325,6 +331,43 @@ def build_peer(kind, c, dev, offload_py):
 
 
 SELF_TEST_BROKEN = "self_test_doubled_gradients"
+
+
+def load_strata_state(model, c, state):
+    """strata's canonical names onto this GPT: "0.tokens" the embedding (and the tied head), "1." to
+    "<depth>." the blocks, "<depth + 1>.norm" the head's norm. Every parameter must be there, whole."""
+    depth = c["depth"]
+    names = {"0.tokens": model.embedding.tokens}
+    for i, block in enumerate(model.blocks):
+        for n, p in block.named_parameters():
+            names[f"{i + 1}.{n}"] = p
+    for n, p in model.head.norm.named_parameters():
+        names[f"{depth + 1}.norm.{n}"] = p
+    with torch.no_grad():
+        for name, p in names.items():
+            assert name in state, f"{name} is not in the strata state"
+            assert tuple(state[name].shape) == tuple(p.shape), f"{name}: {tuple(state[name].shape)} in strata's, {tuple(p.shape)} here"
+            p.copy_(state[name])
+
+
+def check_strata_state(model_name, state_path, eval_path):
+    """A strata checkpoint (its consolidated state.pt, or a parameters file) in this GPT: on the batch
+    strata_train evaluated (eval.pt), the logits and the loss equal strata's to fp32 rounding."""
+    c = PRESETS[model_name]
+    assert not is_bert(c), "the check maps strata's GPT"
+    model = GPT(c, checkpoint=False)
+    load_strata_state(model, c, torch.load(state_path))
+    ev = torch.load(eval_path)
+    with torch.no_grad():
+        logits = model(ev["input"])
+    theirs = ev["logits"]
+    rel = ((logits - theirs).abs().max() / theirs.abs().max()).item()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ev["target"].reshape(-1)).item()
+    strata_loss = F.cross_entropy(theirs.reshape(-1, theirs.shape[-1]), ev["target"].reshape(-1)).item()
+    ok = rel < 1e-5 and abs(loss - strata_loss) <= 1e-5 * abs(strata_loss)
+    print(f"peers.py: strata's checkpoint in PyTorch's GPT: loss {loss:.7f} (strata {strata_loss:.7f}), "
+          f"largest relative logit difference {rel:.3g}: {'same' if ok else 'DIFFERENT'}")
+    return ok
 
 
 def self_test(offload_py):
@@ -721,11 +764,16 @@ def main():
                          "those four; torch_pp_* peers under torchrun: every stage under autocast)")
     ap.add_argument("--micro-batches", type=int, default=8, help="for the torch_pp_* pipeline peers")
     ap.add_argument("--out", help="the JSON to write (required unless --self-test)")
+    ap.add_argument("--strata-state", metavar="PT",
+                    help="a strata checkpoint's consolidated state.pt: check it in this GPT against --strata-eval")
+    ap.add_argument("--strata-eval", metavar="PT", help="strata_train's eval.pt (a batch and strata's logits)")
     ap.add_argument("--self-test", action="store_true",
                     help="only show that the parity check fails a deliberately wrong peer and passes right ones")
     ap.add_argument("--profile", metavar="DIR",
                     help="after timing, record one forward+backward of each one-process peer into DIR/<peer>.trace.json")
     args = ap.parse_args()
+    if args.strata_state:  # on the host: any machine with PyTorch
+        sys.exit(0 if check_strata_state(args.model, args.strata_state, args.strata_eval) else 1)
     if not torch.cuda.is_available():
         sys.exit("peers.py: needs a CUDA device")
     if args.self_test:

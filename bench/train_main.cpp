@@ -2,7 +2,8 @@
 // by torchrun (or strategies/distributed/launch.py), or alone for a world of one. At start it
 // resumes from the newest complete checkpoint under --checkpoint-dir, if any; every --every steps
 // every rank saves its part (state_files::save_ranks); at the end rank 0 writes the parameters to
-// --out (one file, the same bytes for the same values). Batches depend on the step alone, so a run
+// --out (one file, the same bytes for the same values), and beside it eval.pt: a batch no step
+// trained on and the model's output for it. Batches depend on the step alone, so a run
 // resumed anywhere trains on what an uninterrupted one does.
 //
 //   torchrun --nproc-per-node=2 --max-restarts=1 strata_train --strategy=sharded --model=gpt-tiny \
@@ -123,12 +124,18 @@ int run(const Args& a) {
     }
   }
   const auto params = strategy->parameters();  // collective for sharded: every rank
+  // A batch no step trained on, and the trained model's output for it: what another framework
+  // holding these parameters must compute (bench/peers.py --strata-state).
+  const auto eval = models::make_batch(preset.config, batch, 999999);
+  const auto logits = strategy->forward(eval.input).to(torch::kCPU);
   if (env.rank == 0 && !a.out.empty()) {
     state_files::Manifest m;
     m.model = preset.config.to_string();
     m.strategy = a.strategy;
     m.step = a.steps;
-    const auto saved = state_files::save(a.out, m, {{"parameters.pt", params}});
+    const auto saved = state_files::save(
+        a.out, m,
+        {{"parameters.pt", params}, {"eval.pt", {{"input", eval.input}, {"target", eval.target}, {"logits", logits}}}});
     std::printf("strata_train: %ld steps done; parameters in %s/parameters.pt\n", static_cast<long>(a.steps), saved.c_str());
   }
   return 0;
