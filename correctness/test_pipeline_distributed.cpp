@@ -11,6 +11,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 
 #include "correctness/support/agreement.h"
 #include "correctness/support/chain.h"
@@ -22,6 +24,7 @@
 #include "correctness/support/test_device.h"
 #include "strategies/distributed/process_group.h"
 #include "strategies/pipeline/pipeline.h"
+#include "strategies/state_files.h"
 
 namespace strata {
 namespace {
@@ -208,6 +211,64 @@ TEST(DistributedPipeline, interconnect_bytes_are_what_the_channels_and_all_reduc
     if (rank() > 0) expected += micro_batches * 88 + out_bytes[static_cast<size_t>(before)];
     if (world() > 1) expected += ring(config.vocab * config.width * 4) + ring(4);  // the tied matrix
     EXPECT_EQ(s->stats().bytes_interconnect, expected) << strategy << " on rank " << rank();
+  }
+}
+
+// Checkpoints across processes: each rank saves the parameters of its stages with their moments
+// (state_files::save_ranks); a new pipeline over the same ranks loads every file and trains on to
+// the bit as if there had been no break, and a baseline in one process loads the files whole.
+TEST(DistributedPipeline, a_resume_is_exact_and_its_files_are_the_whole_state) {
+  const auto model = models::preset("gpt-tiny").config;
+  const int64_t batch_size = 4 * world();
+  auto make = [&](const std::string& name) {
+    StrategyConfig sc;
+    sc.device = test::device();
+    sc.optimizer.kind = OptimizerKind::adamw;
+    sc.optimizer.lr = 1e-2;
+    if (name != "baseline") sc.options = {{"micro_batches", std::to_string(2 * world())}, one_rank_a_process()};
+    auto s = Registry::create(name, sc);
+    s->attach(models::build_model(model, 3));
+    return s;
+  };
+  auto train = [&](Strategy& s, int first, int steps) {
+    for (int i = 0; i < steps; ++i) {
+      s.train_step(models::make_batch(model, batch_size, 100 + first + i));
+      s.optimizer_step();
+    }
+  };
+  auto barrier = [] {
+    auto t = torch::zeros({1});
+    distributed::group_for(torch::Device(torch::kCPU))->all_reduce(t).wait();
+  };
+  const char* port = std::getenv("MASTER_PORT");
+  const auto dir = (std::filesystem::temp_directory_path() / (std::string("strata-pp-resume-") + (port ? port : "0"))).string();
+  for (const std::string strategy : {"pipeline_1f1b", "pipeline_gpipe"}) {
+    SCOPED_TRACE(strategy + " at world " + std::to_string(world()));
+    if (rank() == 0) std::filesystem::remove_all(dir);
+    barrier();
+    auto whole = make(strategy);
+    train(*whole, 0, 5);
+    const auto expected = whole->parameters();
+    auto first = make(strategy);
+    train(*first, 0, 3);
+    state_files::Manifest m;
+    m.model = model.to_string();
+    m.strategy = strategy;
+    m.step = 3;
+    const auto saved = state_files::save_ranks(dir, m, rank(), world(), first->training_state(), barrier);
+    const auto state = state_files::load_all(saved);
+    auto resumed = make(strategy);
+    resumed->load_training_state(state);
+    train(*resumed, 3, 2);
+    const auto got = resumed->parameters();
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i].second, expected[i].second)) << got[i].first;
+    auto base = make("baseline");
+    base->load_training_state(state);
+    const auto params = first->parameters(), base_params = base->parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(base_params[i].second, params[i].second)) << params[i].first;
+    barrier();
+    if (rank() == 0) std::filesystem::remove_all(dir);
   }
 }
 

@@ -313,6 +313,10 @@ const std::vector<Saving>& saving_strategies() {
       {"sharded", {}},
       {"sharded", {{"reshard_after_forward", "0"}}},
       {"sharded_offload", {}},
+      {"pipeline_1f1b", {}},
+      {"pipeline_gpipe", {}},
+      {"pipeline_interleaved", {}},
+      {"pipeline_zero_bubble", {}},
   };
   return all;
 }

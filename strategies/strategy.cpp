@@ -20,11 +20,11 @@ void Strategy::attach(models::BlockModel model) {
 }
 
 NamedTensors Strategy::training_state() {
-  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint, the hook_offload family and sharded do)");
+  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint, the hook_offload family, sharded and the pipelines do)");
 }
 
 void Strategy::load_training_state(const NamedTensors&) {
-  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint, the hook_offload family and sharded do)");
+  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint, the hook_offload family, sharded and the pipelines do)");
 }
 
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {

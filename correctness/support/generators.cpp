@@ -419,15 +419,22 @@ rc::Gen<ParityCase> gen_parity_case(const std::string& strategy, const std::vect
 const std::vector<std::string>& saving_strategies() {
   static const std::vector<std::string> all = {"baseline",     "baseline_checkpoint", "hook_offload",
                                                "hook_offload_overlap", "hook_offload_sync", "sharded",
-                                               "sharded_offload"};
+                                               "sharded_offload",     "pipeline_1f1b",       "pipeline_gpipe",
+                                               "pipeline_interleaved", "pipeline_zero_bubble"};
   return all;
 }
 
 rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices) {
   return rc::gen::mapcat(gen_parity_case(strategy, devices), [](ParityCase c) {
-    std::vector<std::string> sources;  // those that train the case's precision
-    for (const auto& s : saving_strategies())
-      if (strategy_supports(s, c.precision)) sources.push_back(s);
+    // The first steps' strategy runs with its default options, which must take any batch: not a
+    // pipeline (whose micro-batches a batch must fill); pipelines are resumed into, with the
+    // case's options. Of those, the ones that train the case's precision.
+    std::vector<std::string> sources;
+    for (const auto& s : saving_strategies()) {
+      const auto traits = strategy_traits().find(s);
+      const bool batch_bound = traits != strategy_traits().end() && traits->second.micro_batches;
+      if (!batch_bound && strategy_supports(s, c.precision)) sources.push_back(s);
+    }
     return rc::gen::apply(
         [c](const std::string& from, int at) {
           ParityCase r = c;

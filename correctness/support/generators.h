@@ -66,8 +66,9 @@ bool strategy_supports(const std::string& strategy, const PrecisionPolicy& polic
 /// The registered strategies that save and load their training state (Strategy::training_state).
 const std::vector<std::string>& saving_strategies();
 
-/// A parity case for `strategy` that starts in another saving strategy (or the same one) and
-/// resumes from its state after 1 or 2 of its 3 steps (ParityCase::resume_from).
+/// A parity case for `strategy` that starts in another saving strategy (or the same one; not a
+/// pipeline, whose default micro-batches a batch may not fill) and resumes from its state after 1
+/// or 2 of its 3 steps (ParityCase::resume_from).
 rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices);
 
 /// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with

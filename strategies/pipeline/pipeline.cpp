@@ -1043,6 +1043,56 @@ NamedTensors Pipeline::buffers() {
   return c10d_ ? gather(buffers, buffer_stage_) : host_copies(buffers);
 }
 
+NamedTensors Pipeline::training_state() {
+  const auto& params = model().parameters();
+  for (const auto& d : rank_devices_) device::synchronize(d);
+  NamedTensors out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    // A parameter no stage uses stays with rank 0, as gather() reads it.
+    const bool here = home_stage_[i] >= 0 ? local_stage(home_stage_[i]) : my_rank_ == 0;
+    if (!here) continue;
+    STRATA_CHECK(!grads_[i].defined(), name_ << ": training_state() after optimizer_step, with no gradient accumulated ('"
+                                             << params[i].name << "' has one)");
+    const auto& name = params[i].name;
+    out.emplace_back(name, params[i].tensor.detach().to(torch::kCPU, false, /*copy=*/true));
+    const auto& st = optimizer_state_[i];
+    if (st.exp_avg.defined()) out.emplace_back(name + "/exp_avg", st.exp_avg.detach().to(torch::kCPU, false, true));
+    if (st.exp_avg_sq.defined()) out.emplace_back(name + "/exp_avg_sq", st.exp_avg_sq.detach().to(torch::kCPU, false, true));
+    if (st.step > 0) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
+  }
+  const auto& buffers = model().buffers();
+  for (size_t i = 0; i < buffers.size(); ++i)
+    if (buffer_stage_[i] >= 0 ? local_stage(buffer_stage_[i]) : my_rank_ == 0)
+      out.emplace_back(buffers[i].name, buffers[i].tensor.detach().to(torch::kCPU, false, true));
+  if (my_rank_ == 0) out.emplace_back("loss_scaler", scaler_.state());
+  return out;
+}
+
+void Pipeline::load_training_state(const NamedTensors& state) {
+  auto& params = model().parameters();
+  // Everything checked before anything changes: a bad state leaves this strategy as it was.
+  const auto index = checked_training_state(name_, params, model().buffers(), state);
+  for (size_t i = 0; i < params.size(); ++i)
+    STRATA_CHECK(!grads_[i].defined(), name_ << ": load_training_state() after optimizer_step, with no gradient accumulated");
+  for (const auto& d : rank_devices_) device::synchronize(d);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& name = params[i].name;
+    auto t = params[i].tensor.detach();
+    t.copy_(index.whole(name, t.sizes()));
+    auto& st = optimizer_state_[i];
+    st = {};
+    if (auto m = index.find(name + "/exp_avg"); m.defined()) st.exp_avg = m.view(t.sizes()).to(t.device(), torch::kFloat).clone();
+    if (auto v = index.find(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.view(t.sizes()).to(t.device(), torch::kFloat).clone();
+    if (auto n = index.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+  }
+  for (auto& stage : replicas_)  // replicas take their home's values, as after a step
+    for (auto& r : stage) r.value.detach().copy_(params[r.param].tensor.detach());
+  load_buffers(model().buffers(), index);
+  if (auto sc = index.find("loss_scaler"); sc.defined()) scaler_.restore(sc);
+  for (const auto& d : rank_devices_) device::synchronize(d);
+}
+
 Stats Pipeline::stats() {
   Stats s;
   s.bytes_h2d = bytes_h2d_;

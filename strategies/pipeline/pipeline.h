@@ -68,6 +68,11 @@ class Pipeline : public Strategy {
   NamedTensors gradients() override;
   NamedTensors parameters() override;
   NamedTensors buffers() override;
+  /// This rank's part of the state: the parameters whose home stage runs here (every one in one
+  /// process) whole, with their optimizer state, the buffers of its stages, and (rank 0) the loss
+  /// scaler. load_training_state() takes any whole state on every rank.
+  NamedTensors training_state() override;
+  void load_training_state(const NamedTensors& state) override;
   Stats stats() override;
   void reset_stats() override;
   /// Every policy in one process (stages compute on compute copies of their parameters and
