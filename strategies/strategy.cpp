@@ -20,11 +20,11 @@ void Strategy::attach(models::BlockModel model) {
 }
 
 NamedTensors Strategy::training_state() {
-  STRATA_FAIL(name() << ": does not save its training state yet (baseline, baseline_checkpoint, the hook_offload family, sharded and the pipelines do)");
+  STRATA_FAIL(name() << ": does not save its training state yet (training_state(); every strategy strata registers does)");
 }
 
 void Strategy::load_training_state(const NamedTensors&) {
-  STRATA_FAIL(name() << ": does not load a training state yet (baseline, baseline_checkpoint, the hook_offload family, sharded and the pipelines do)");
+  STRATA_FAIL(name() << ": does not load a training state yet (load_training_state(); every strategy strata registers does)");
 }
 
 NamedTensors host_copies(const std::vector<models::NamedParameter>& tensors) {

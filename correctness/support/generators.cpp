@@ -420,7 +420,7 @@ const std::vector<std::string>& saving_strategies() {
   static const std::vector<std::string> all = {"baseline",     "baseline_checkpoint", "hook_offload",
                                                "hook_offload_overlap", "hook_offload_sync", "sharded",
                                                "sharded_offload",     "pipeline_1f1b",       "pipeline_gpipe",
-                                               "pipeline_interleaved", "pipeline_zero_bubble"};
+                                               "pipeline_interleaved", "pipeline_zero_bubble", "manual_split"};
   return all;
 }
 

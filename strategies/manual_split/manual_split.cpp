@@ -527,6 +527,110 @@ NamedTensors ManualSplit::parameters() {
 
 NamedTensors ManualSplit::buffers() { return host_copies(model().buffers()); }
 
+NamedTensors ManualSplit::training_state() {
+  const auto& params = model().parameters();
+  for (const auto& d : devices_) device::synchronize(d);
+  auto host = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, false, /*copy=*/true); };
+  NamedTensors out;
+  auto add_state = [&](const std::string& name, const OptimizerState& st) {
+    if (st.exp_avg.defined()) out.emplace_back(name + "/exp_avg", host(st.exp_avg));
+    if (st.exp_avg_sq.defined()) out.emplace_back(name + "/exp_avg_sq", host(st.exp_avg_sq));
+    if (st.step > 0) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
+  };
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto& name = params[p].name;
+    const bool split = static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_;
+    if (!split) {
+      STRATA_CHECK(!params[p].tensor.grad().defined(),
+                   name_ << ": training_state() after optimizer_step, with no gradient accumulated ('" << name << "' has one)");
+      out.emplace_back(name, host(params[p].tensor));
+      add_state(name, optimizer_state_[p]);
+      continue;
+    }
+    // The shards end to end, their moments likewise; one step count (they step together).
+    const bool weight = static_cast<int64_t>(p) == head_weight_;
+    std::vector<torch::Tensor> values, m, v;
+    for (auto& sh : shards_) {
+      const auto& t = weight ? sh.weight : sh.bias;
+      const auto& st = weight ? sh.weight_state : sh.bias_state;
+      STRATA_CHECK(!t.grad().defined(), name_ << ": training_state() after optimizer_step, with no gradient accumulated");
+      values.push_back(host(t));
+      if (st.exp_avg.defined()) m.push_back(host(st.exp_avg));
+      if (st.exp_avg_sq.defined()) v.push_back(host(st.exp_avg_sq));
+    }
+    OptimizerState whole;
+    const auto& first = weight ? shards_.front().weight_state : shards_.front().bias_state;
+    whole.step = first.step;
+    if (m.size() == shards_.size()) whole.exp_avg = torch::cat(m, 0);
+    if (v.size() == shards_.size()) whole.exp_avg_sq = torch::cat(v, 0);
+    out.emplace_back(name, torch::cat(values, 0));
+    add_state(name, whole);
+  }
+  for (auto& b : buffers()) out.push_back(std::move(b));
+  out.emplace_back("loss_scaler", scaler_.state());
+  return out;
+}
+
+void ManualSplit::load_training_state(const NamedTensors& state) {
+  const auto& params = model().parameters();
+  // A split head's parameters keep no memory here: checked at their full shape (a view of one
+  // element, expanded), read from the state by rows.
+  std::vector<models::NamedParameter> shaped = params;
+  for (auto p : {head_weight_, head_bias_}) {
+    if (p < 0) continue;
+    const bool weight = p == head_weight_;
+    auto sizes = (weight ? shards_.front().weight : shards_.front().bias).sizes().vec();
+    sizes[0] = shards_.back().hi;
+    shaped[static_cast<size_t>(p)].tensor = torch::zeros({1}).expand(sizes);
+  }
+  // Everything checked before anything changes: a bad state leaves this strategy as it was.
+  const auto index = checked_training_state(name_, shaped, model().buffers(), state);
+  for (const auto& d : devices_) device::synchronize(d);
+  torch::NoGradGuard no_grad;
+  // Rows [lo, lo + rows) of `name` (whole shape `full`) onto `device`, in fp32.
+  auto rows_of = [&](const std::string& name, const std::vector<int64_t>& full, int64_t lo, int64_t rows,
+                     const torch::Device& device) {
+    int64_t row = 1;  // elements of one row
+    for (size_t d = 1; d < full.size(); ++d) row *= full[d];
+    auto sizes = full;
+    sizes[0] = rows;
+    return index.range(name, lo * row, (lo + rows) * row).view(sizes).to(device, torch::kFloat).clone();
+  };
+  auto state_of = [&](const std::string& name, const std::vector<int64_t>& full, int64_t lo, int64_t rows,
+                      const torch::Device& device) {
+    OptimizerState st;
+    if (index.has(name + "/exp_avg")) st.exp_avg = rows_of(name + "/exp_avg", full, lo, rows, device);
+    if (index.has(name + "/exp_avg_sq")) st.exp_avg_sq = rows_of(name + "/exp_avg_sq", full, lo, rows, device);
+    if (auto n = index.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+    return st;
+  };
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto& name = params[p].name;
+    const auto full = shaped[p].tensor.sizes().vec();
+    if (static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_) {
+      const bool weight = static_cast<int64_t>(p) == head_weight_;
+      for (auto& sh : shards_) {
+        auto& t = weight ? sh.weight : sh.bias;
+        t.detach().copy_(rows_of(name, full, sh.lo, sh.hi - sh.lo, sh.device));
+        (weight ? sh.weight_state : sh.bias_state) = state_of(name, full, sh.lo, sh.hi - sh.lo, sh.device);
+      }
+      continue;
+    }
+    auto t = params[p].tensor.detach();
+    t.copy_(index.whole(name, full));
+    auto& st = optimizer_state_[p];
+    st = {};
+    if (index.has(name + "/exp_avg")) st.exp_avg = index.whole(name + "/exp_avg", full).to(t.device(), torch::kFloat).clone();
+    if (index.has(name + "/exp_avg_sq"))
+      st.exp_avg_sq = index.whole(name + "/exp_avg_sq", full).to(t.device(), torch::kFloat).clone();
+    if (auto n = index.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+  }
+  for (auto& r : replicas_) r.value.detach().copy_(params[r.param].tensor.detach());  // as after a step
+  load_buffers(model().buffers(), index);
+  if (auto sc = index.find("loss_scaler"); sc.defined()) scaler_.restore(sc);
+  for (const auto& d : devices_) device::synchronize(d);
+}
+
 double ManualSplit::max_replica_drift() {
   double drift = 0.0;
   for (auto& r : replicas_) {

@@ -41,6 +41,10 @@ class ManualSplit : public Strategy {
   void optimizer_step() override;
   NamedTensors gradients() override;
   NamedTensors parameters() override;
+  /// The whole state as baseline saves it: a split head's weight and bias (and their moments) are
+  /// its shards end to end; replicas are not state (they follow their homes).
+  NamedTensors training_state() override;
+  void load_training_state(const NamedTensors& state) override;
   NamedTensors buffers() override;
   Stats stats() override;
   void reset_stats() override;
