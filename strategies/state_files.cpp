@@ -45,6 +45,22 @@ std::string shape_of(const torch::Tensor& t) {
   return out.str();
 }
 
+// `tensors` as one file's bytes (a dict, torch::pickle_save), each on the host; their dtypes into
+// `dtypes`. A name twice, or one with a space (the manifest is space-separated), is an Error.
+std::vector<char> pickled(const NamedTensors& tensors, const std::string& file, std::map<std::string, std::string>& dtypes) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& [key, t] : tensors) {
+    STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in file " << file);
+    STRATA_CHECK(key.find_first_of(" \n") == std::string::npos, "checkpoint: tensor name '" << key << "' has a space");
+    dict.insert(key, t.detach().to(torch::kCPU).contiguous());
+    dtypes[key] = c10::toString(t.scalar_type());
+  }
+  return torch::pickle_save(c10::IValue(dict));
+}
+
+// The manifest written last, by rename, then the directory renamed: the save is whole.
+void finish(const Manifest& manifest, const fs::path& partial, const fs::path& final_dir);
+
 }  // namespace
 
 uint32_t crc32(const char* data, size_t size, uint32_t crc) {
@@ -135,24 +151,23 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
   for (const auto& [name, tensors] : files) {
     STRATA_CHECK(name.find_first_of("/ \n") == std::string::npos && !name.empty() && name != kManifest,
                  "checkpoint: file name '" << name << "' must be a plain name");
-    c10::Dict<std::string, torch::Tensor> dict;
-    for (const auto& [key, t] : tensors) {
-      STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in file " << name);
-      STRATA_CHECK(key.find_first_of(" \n") == std::string::npos, "checkpoint: tensor name '" << key << "' has a space");
-      dict.insert(key, t.detach().to(torch::kCPU).contiguous());
-      manifest.dtypes[key] = c10::toString(t.scalar_type());
-    }
-    const auto bytes = torch::pickle_save(c10::IValue(dict));
+    const auto bytes = pickled(tensors, name, manifest.dtypes);
     write_bytes(partial / name, bytes.data(), bytes.size());
     manifest.files.push_back({name, static_cast<int64_t>(bytes.size()), crc32(bytes.data(), bytes.size())});
     if (hooks.after_file) hooks.after_file(name);
   }
+  finish(manifest, partial, final_dir);
+  return final_dir.string();
+}
+
+namespace {
+void finish(const Manifest& manifest, const fs::path& partial, const fs::path& final_dir) {
   const auto text = manifest.to_text();
   write_bytes(partial / (std::string(kManifest) + ".tmp"), text.data(), text.size());
   fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
   fs::rename(partial, final_dir);
-  return final_dir.string();
 }
+}  // namespace
 
 std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
                        const std::function<void()>& barrier, const SaveHooks& hooks) {
@@ -166,14 +181,10 @@ std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int 
   barrier();
   // Each rank's file, then a line of its size, checksum and dtypes beside it for rank 0.
   const std::string name = "rank-" + std::to_string(rank) + ".pt";
-  c10::Dict<std::string, torch::Tensor> dict;
+  std::map<std::string, std::string> dtypes;
+  const auto bytes = pickled(tensors, name, dtypes);
   std::ostringstream entry;
-  for (const auto& [key, t] : tensors) {
-    STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in rank " << rank << "'s part");
-    dict.insert(key, t.detach().to(torch::kCPU).contiguous());
-    entry << key << " " << c10::toString(t.scalar_type()) << "\n";
-  }
-  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  for (const auto& [key, dtype] : dtypes) entry << key << " " << dtype << "\n";
   write_bytes(partial / name, bytes.data(), bytes.size());
   const auto sums = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size())) + "\n" + entry.str();
   write_bytes(partial / (name + ".entry"), sums.data(), sums.size());
@@ -195,10 +206,7 @@ std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int 
       manifest.files.push_back(e);
       fs::remove(partial / (file + ".entry"));
     }
-    const auto text = manifest.to_text();
-    write_bytes(partial / (std::string(kManifest) + ".tmp"), text.data(), text.size());
-    fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
-    fs::rename(partial, final_dir);
+    finish(manifest, partial, final_dir);
   }
   barrier();
   return final_dir.string();

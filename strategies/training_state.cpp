@@ -1,6 +1,7 @@
 #include "strategies/training_state.h"
 
 #include "models/check.h"
+#include "strategies/optimizer_state_io.h"
 
 namespace strata {
 
@@ -105,6 +106,23 @@ torch::Tensor StateIndex::find(const std::string& name) const {
   if (!has(name)) return {};
   const auto shape = whole_shape(name);
   return shape.empty() && !shapes_.count(name) ? range(name, 0, extent(name)) : whole(name, shape);
+}
+
+void append_optimizer_state(NamedTensors& out, const std::string& name, const OptimizerState& st) {
+  auto host = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, false, /*copy=*/true); };
+  if (st.exp_avg.defined()) out.emplace_back(name + "/exp_avg", host(st.exp_avg));
+  if (st.exp_avg_sq.defined()) out.emplace_back(name + "/exp_avg_sq", host(st.exp_avg_sq));
+  if (st.step > 0) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
+}
+
+OptimizerState optimizer_state_from(const StateIndex& state, const std::string& name, at::IntArrayRef shape,
+                                    const torch::Device& device) {
+  OptimizerState st;
+  auto moment = [&](const std::string& key) { return state.whole(key, shape).to(device, torch::kFloat).clone(); };
+  if (state.has(name + "/exp_avg")) st.exp_avg = moment(name + "/exp_avg");
+  if (state.has(name + "/exp_avg_sq")) st.exp_avg_sq = moment(name + "/exp_avg_sq");
+  if (auto n = state.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+  return st;
 }
 
 }  // namespace strata

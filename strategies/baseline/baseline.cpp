@@ -5,6 +5,7 @@
 #include "models/check.h"
 #include "strategies/checkpoint.h"
 #include "strategies/device/device.h"
+#include "strategies/optimizer_state_io.h"
 #include "strategies/options.h"
 
 namespace strata {
@@ -107,10 +108,7 @@ NamedTensors Baseline::training_state() {
     STRATA_CHECK(!params[i].tensor.grad().defined(),
                  name_ << ": training_state() after optimizer_step, with no gradient accumulated ('" << params[i].name
                        << "' has one)");
-    const auto& st = optimizer_state_[i];
-    if (st.exp_avg.defined()) out.emplace_back(params[i].name + "/exp_avg", st.exp_avg.detach().cpu().clone());
-    if (st.exp_avg_sq.defined()) out.emplace_back(params[i].name + "/exp_avg_sq", st.exp_avg_sq.detach().cpu().clone());
-    if (st.step > 0) out.emplace_back(params[i].name + "/step", torch::tensor({st.step}, torch::kLong));
+    append_optimizer_state(out, params[i].name, optimizer_state_[i]);
   }
   for (auto& b : host_copies(model().buffers())) out.push_back(std::move(b));
   out.emplace_back("loss_scaler", scaler_.state());
@@ -126,13 +124,7 @@ void Baseline::load_training_state(const NamedTensors& state) {
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& name = params[i].name;
     params[i].tensor.copy_(get(name).view(params[i].tensor.sizes()));
-    auto& st = optimizer_state_[i];
-    st = {};
-    const auto device = params[i].tensor.device();
-    const auto shape = params[i].tensor.sizes();
-    if (auto m = get(name + "/exp_avg"); m.defined()) st.exp_avg = m.view(shape).to(device, torch::kFloat).clone();
-    if (auto v = get(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.view(shape).to(device, torch::kFloat).clone();
-    if (auto n = get(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+    optimizer_state_[i] = optimizer_state_from(by_name, name, params[i].tensor.sizes(), params[i].tensor.device());
   }
   load_buffers(model().buffers(), by_name);
   if (auto sc = get("loss_scaler"); sc.defined()) scaler_.restore(sc);

@@ -14,6 +14,7 @@
 #include "models/check.h"
 #include "models/compat.h"
 #include "models/threads.h"
+#include "strategies/optimizer_state_io.h"
 
 namespace strata {
 
@@ -1143,27 +1144,25 @@ NamedTensors HookOffload::training_state() {
   NamedTensors out = parameters();  // the masters, once every pending update has run
   for (const auto& unit : units_)
     STRATA_CHECK(!unit.grad_filled, name_ << ": training_state() after optimizer_step, with no gradient accumulated");
-  std::vector<int64_t> on_host_of(units_.size(), -1);  // a unit's optimizer state read once
-  std::vector<OptimizerState> states(units_.size());
+  std::vector<OptimizerState> states(units_.size());  // a unit's optimizer state on the host, read once
+  std::vector<bool> read(units_.size(), false);
   for (size_t p = 0; p < params.size(); ++p) {
     const auto [u, offset] = param_slot_[p];
     auto& unit = units_[u];
     const auto numel = params[p].tensor.numel();
     if (offset + numel > unit.trainable_numel) continue;  // frozen: no optimizer state
-    if (on_host_of[u] < 0) {
+    if (!read[u]) {
       const auto& st = unit.optimizer();
       if (unit.on_device()) device::synchronize(config_.device);  // its update ran on the compute stream
       auto host = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kCPU) : t; };
       states[u] = {host(st.exp_avg), host(st.exp_avg_sq), st.step};
-      on_host_of[u] = 1;
+      read[u] = true;
     }
     const auto& st = states[u];
-    auto slice = [&](const torch::Tensor& flat) {
-      return flat.narrow(0, offset, numel).view(params[p].tensor.sizes()).clone();
+    auto slice = [&](const torch::Tensor& flat) {  // a view: append_optimizer_state copies it
+      return flat.defined() ? flat.narrow(0, offset, numel).view(params[p].tensor.sizes()) : flat;
     };
-    if (st.exp_avg.defined()) out.emplace_back(params[p].name + "/exp_avg", slice(st.exp_avg));
-    if (st.exp_avg_sq.defined()) out.emplace_back(params[p].name + "/exp_avg_sq", slice(st.exp_avg_sq));
-    if (st.step > 0) out.emplace_back(params[p].name + "/step", torch::tensor({st.step}, torch::kLong));
+    append_optimizer_state(out, params[p].name, {slice(st.exp_avg), slice(st.exp_avg_sq), st.step});
   }
   for (auto& b : buffers()) out.push_back(std::move(b));
   out.emplace_back("loss_scaler", scaler_.state());

@@ -6,6 +6,7 @@
 
 #include "models/check.h"
 #include "strategies/device/device.h"
+#include "strategies/optimizer_state_io.h"
 #include "strategies/options.h"
 
 namespace strata {
@@ -532,11 +533,6 @@ NamedTensors ManualSplit::training_state() {
   for (const auto& d : devices_) device::synchronize(d);
   auto host = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, false, /*copy=*/true); };
   NamedTensors out;
-  auto add_state = [&](const std::string& name, const OptimizerState& st) {
-    if (st.exp_avg.defined()) out.emplace_back(name + "/exp_avg", host(st.exp_avg));
-    if (st.exp_avg_sq.defined()) out.emplace_back(name + "/exp_avg_sq", host(st.exp_avg_sq));
-    if (st.step > 0) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
-  };
   for (size_t p = 0; p < params.size(); ++p) {
     const auto& name = params[p].name;
     const bool split = static_cast<int64_t>(p) == head_weight_ || static_cast<int64_t>(p) == head_bias_;
@@ -544,7 +540,7 @@ NamedTensors ManualSplit::training_state() {
       STRATA_CHECK(!params[p].tensor.grad().defined(),
                    name_ << ": training_state() after optimizer_step, with no gradient accumulated ('" << name << "' has one)");
       out.emplace_back(name, host(params[p].tensor));
-      add_state(name, optimizer_state_[p]);
+      append_optimizer_state(out, name, optimizer_state_[p]);
       continue;
     }
     // The shards end to end, their moments likewise; one step count (they step together).
@@ -564,7 +560,7 @@ NamedTensors ManualSplit::training_state() {
     if (m.size() == shards_.size()) whole.exp_avg = torch::cat(m, 0);
     if (v.size() == shards_.size()) whole.exp_avg_sq = torch::cat(v, 0);
     out.emplace_back(name, torch::cat(values, 0));
-    add_state(name, whole);
+    append_optimizer_state(out, name, whole);
   }
   for (auto& b : buffers()) out.push_back(std::move(b));
   out.emplace_back("loss_scaler", scaler_.state());
@@ -618,12 +614,7 @@ void ManualSplit::load_training_state(const NamedTensors& state) {
     }
     auto t = params[p].tensor.detach();
     t.copy_(index.whole(name, full));
-    auto& st = optimizer_state_[p];
-    st = {};
-    if (index.has(name + "/exp_avg")) st.exp_avg = index.whole(name + "/exp_avg", full).to(t.device(), torch::kFloat).clone();
-    if (index.has(name + "/exp_avg_sq"))
-      st.exp_avg_sq = index.whole(name + "/exp_avg_sq", full).to(t.device(), torch::kFloat).clone();
-    if (auto n = index.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+    optimizer_state_[p] = optimizer_state_from(index, name, full, t.device());
   }
   for (auto& r : replicas_) r.value.detach().copy_(params[r.param].tensor.detach());  // as after a step
   load_buffers(model().buffers(), index);

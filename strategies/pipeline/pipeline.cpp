@@ -14,6 +14,7 @@
 #include "models/check.h"
 #include "strategies/device/device.h"
 #include "strategies/manual_split/manual_split.h"
+#include "strategies/optimizer_state_io.h"
 #include "strategies/options.h"
 
 namespace strata {
@@ -1055,10 +1056,7 @@ NamedTensors Pipeline::training_state() {
                                              << params[i].name << "' has one)");
     const auto& name = params[i].name;
     out.emplace_back(name, params[i].tensor.detach().to(torch::kCPU, false, /*copy=*/true));
-    const auto& st = optimizer_state_[i];
-    if (st.exp_avg.defined()) out.emplace_back(name + "/exp_avg", st.exp_avg.detach().to(torch::kCPU, false, true));
-    if (st.exp_avg_sq.defined()) out.emplace_back(name + "/exp_avg_sq", st.exp_avg_sq.detach().to(torch::kCPU, false, true));
-    if (st.step > 0) out.emplace_back(name + "/step", torch::tensor({st.step}, torch::kLong));
+    append_optimizer_state(out, name, optimizer_state_[i]);
   }
   const auto& buffers = model().buffers();
   for (size_t i = 0; i < buffers.size(); ++i)
@@ -1080,11 +1078,7 @@ void Pipeline::load_training_state(const NamedTensors& state) {
     const auto& name = params[i].name;
     auto t = params[i].tensor.detach();
     t.copy_(index.whole(name, t.sizes()));
-    auto& st = optimizer_state_[i];
-    st = {};
-    if (auto m = index.find(name + "/exp_avg"); m.defined()) st.exp_avg = m.view(t.sizes()).to(t.device(), torch::kFloat).clone();
-    if (auto v = index.find(name + "/exp_avg_sq"); v.defined()) st.exp_avg_sq = v.view(t.sizes()).to(t.device(), torch::kFloat).clone();
-    if (auto n = index.find(name + "/step"); n.defined()) st.step = n.item<int64_t>();
+    optimizer_state_[i] = optimizer_state_from(index, name, t.sizes(), t.device());
   }
   for (auto& stage : replicas_)  // replicas take their home's values, as after a step
     for (auto& r : stage) r.value.detach().copy_(params[r.param].tensor.detach());
