@@ -244,7 +244,7 @@ TEST(DistributedPipeline, a_resume_is_exact_and_its_files_are_the_whole_state) {
   const auto dir = (std::filesystem::temp_directory_path() / (std::string("strata-pp-resume-") + (port ? port : "0"))).string();
   for (const std::string strategy : {"pipeline_1f1b", "pipeline_gpipe"}) {
     SCOPED_TRACE(strategy + " at world " + std::to_string(world()));
-    if (rank() == 0) std::filesystem::remove_all(dir);
+    if (rank() == 0) state_files::remove_tree(dir);
     barrier();
     auto whole = make(strategy);
     train(*whole, 0, 5);
@@ -268,7 +268,7 @@ TEST(DistributedPipeline, a_resume_is_exact_and_its_files_are_the_whole_state) {
     const auto params = first->parameters(), base_params = base->parameters();
     for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(base_params[i].second, params[i].second)) << params[i].first;
     barrier();
-    if (rank() == 0) std::filesystem::remove_all(dir);
+    if (rank() == 0) state_files::remove_tree(dir);
   }
 }
 

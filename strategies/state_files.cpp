@@ -1,6 +1,12 @@
 #include "strategies/state_files.h"
 
+#include <ftw.h>
+#include <sys/stat.h>
 #include <torch/serialize.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <algorithm>
 #include <array>
@@ -144,7 +150,7 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
   const fs::path root(dir), final_dir = root / step_name(manifest.step);
   const fs::path partial = root / (step_name(manifest.step) + ".partial");
   STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
-  fs::remove_all(partial);  // a save of this step cut short before
+  remove_tree(partial.string());  // a save of this step cut short before
   fs::create_directories(partial);
   manifest.files.clear();
   manifest.dtypes.clear();
@@ -175,7 +181,7 @@ std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int 
   const fs::path partial = root / (step_name(manifest.step) + ".partial");
   STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
   if (rank == 0) {
-    fs::remove_all(partial);  // a save of this step cut short before
+    remove_tree(partial.string());  // a save of this step cut short before
     fs::create_directories(partial);
   }
   barrier();
@@ -235,6 +241,19 @@ std::string consolidate(const std::string& checkpoint, const std::string& out_di
   manifest.layout = "full";
   manifest.world = 1;
   return save(out_dir, manifest, {{"state.pt", whole}});
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    STRATA_CHECK(errno == ENOENT, "cannot remove " << path << ": " << std::strerror(errno));
+    return;
+  }
+  // Depth first, links not followed: each directory emptied before it goes.
+  const int rc = ::nftw(
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+  STRATA_CHECK(rc == 0, "cannot remove " << path << ": " << std::strerror(errno));
 }
 
 std::string latest(const std::string& dir) {

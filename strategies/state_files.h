@@ -73,6 +73,12 @@ NamedTensors load_all(const std::string& checkpoint);
 std::string consolidate(const std::string& checkpoint, const std::string& out_dir,
                         const std::map<std::string, std::vector<int64_t>>& shapes);
 
+/// Removes `path` and everything under it; nothing if it is absent, an Error naming what could not
+/// be removed. Not std::filesystem::remove_all: a PyTorch wheel's libtorch.so carries a copy of it
+/// built against an older libstdc++'s path layout, and a program built with a newer g++ can be
+/// bound to that copy and crash in it (seen with torch 2.11 and g++ 13).
+void remove_tree(const std::string& path);
+
 /// The newest complete checkpoint under `dir` (the highest step with a manifest), or "" if none.
 std::string latest(const std::string& dir);
 

@@ -2,10 +2,13 @@
 // runs every test once per device with labels cpu and cuda. On a machine without the device the
 // binary prints why and exits 77, which CTest reports as skipped (never as passed).
 #include <execinfo.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 
@@ -17,21 +20,73 @@ namespace {
 torch::Device g_device{torch::kCPU};
 
 // A test that crashes prints the native stack (function names from the shared libraries) before
-// the signal ends it as before, so that a crash on a machine without a debugger can be read.
-void print_stack_and_reraise(int sig) {
-  const char head[] = "\nstrata_tests: a fatal signal; the native stack:\n";
-  (void)!write(STDERR_FILENO, head, sizeof head - 1);
+// the signal ends it as before, so that a crash on a machine without a debugger can be read. Where
+// the unwinder cannot leave the faulting frame (a jump to a bad address, a smashed stack), the
+// fault's address, the interrupted instruction and stack pointer, and the stack's words that point
+// into executable code (return addresses, most of them; each with its file and file offset, for
+// addr2line) still tell where it came from.
+void say(const char* text) { (void)!write(STDERR_FILENO, text, std::strlen(text)); }
+
+void print_code_words(uintptr_t ip, uintptr_t sp) {
+  static char maps[1 << 20];  // LibTorch and CUDA map hundreds of ranges
+  const int fd = open("/proc/self/maps", O_RDONLY);
+  if (fd < 0) return;
+  size_t n = 0;
+  for (ssize_t got; n + 1 < sizeof maps && (got = read(fd, maps + n, sizeof maps - 1 - n)) > 0;) n += static_cast<size_t>(got);
+  close(fd);
+  maps[n] = '\0';
+  char line[512];
+  int shown = 0;
+  for (int i = -1; i < 512 && shown < 24; ++i) {  // -1: the instruction itself
+    const uintptr_t word = i < 0 ? ip : reinterpret_cast<const uintptr_t*>(sp)[i];
+    for (char* at = maps; *at;) {
+      char* end = std::strchr(at, '\n');
+      if (!end) break;
+      unsigned long lo = 0, hi = 0, offset = 0;
+      char perms[8] = {}, path[256] = {};
+      if (std::sscanf(at, "%lx-%lx %7s %lx %*s %*s %255s", &lo, &hi, perms, &offset, path) >= 4 && perms[2] == 'x' &&
+          word >= lo && word < hi) {
+        char slot[16] = "instruction";
+        if (i >= 0) std::snprintf(slot, sizeof slot, "sp+%d", i * 8);
+        std::snprintf(line, sizeof line, "  %s: %#lx in %s +%#lx\n", slot, static_cast<unsigned long>(word),
+                      path[0] ? path : "?", static_cast<unsigned long>(word - lo + offset));
+        say(line);
+        ++shown;
+        break;
+      }
+      at = end + 1;
+    }
+  }
+}
+
+void print_stack_and_reraise(int sig, siginfo_t* info, void* context) {
+  say("\nstrata_tests: a fatal signal; the native stack:\n");
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
-  std::signal(sig, SIG_DFL);
-  std::raise(sig);
+#if defined(__x86_64__)
+  const auto* uc = static_cast<const ucontext_t*>(context);
+  const auto rip = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+  const auto rsp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RSP]);
+  char line[160];
+  std::snprintf(line, sizeof line, "fault address %p, instruction at %#lx, stack at %#lx; code addresses on the stack:\n",
+                info->si_addr, static_cast<unsigned long>(rip), static_cast<unsigned long>(rsp));
+  say(line);
+  print_code_words(rip, rsp);
+#endif
+  signal(sig, SIG_DFL);
+  raise(sig);
 }
 }  // namespace
 const torch::Device& device() { return g_device; }
 }  // namespace strata::test
 
 int main(int argc, char** argv) {
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, strata::test::print_stack_and_reraise);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) {
+    struct sigaction action = {};
+    action.sa_sigaction = strata::test::print_stack_and_reraise;
+    action.sa_flags = SA_SIGINFO;
+    sigaction(sig, &action, nullptr);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   std::string requested = "cpu";
   int min_gpus = 0;
