@@ -28,6 +28,7 @@ namespace strata {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
 
 const std::vector<std::string> kDataParallel = {"sharded", "sharded_offload"};
 
@@ -265,7 +266,7 @@ TEST(Distributed, a_sharded_resume_is_exact_and_its_files_are_the_whole_state) {
     for (const auto* precision : {"fp32", "bf16"}) {
       SCOPED_TRACE(strategy + " " + precision + " at world " + std::to_string(world()));
       const auto dir = shared_dir("resume");
-      if (rank() == 0) std::filesystem::remove_all(dir);
+      if (rank() == 0) state_files::remove_tree(dir);
       barrier();
       const auto whole = trained_on(create(strategy, precision), model, 0, 5)->parameters();
       auto first = trained_on(create(strategy, precision), model, 0, 3);
@@ -291,7 +292,7 @@ TEST(Distributed, a_sharded_resume_is_exact_and_its_files_are_the_whole_state) {
       for (const auto& [name, t] : base->training_state())
         EXPECT_TRUE(torch::equal(shards.whole(name, t.sizes()), t)) << name;
       barrier();
-      if (rank() == 0) std::filesystem::remove_all(dir);
+      if (rank() == 0) state_files::remove_tree(dir);
     }
 }
 
@@ -369,6 +370,99 @@ TEST(Distributed, a_whole_state_loads_into_sharded_at_any_world) {
     for (size_t i = 0; i < after.size(); ++i)
       EXPECT_LE((after[i].second - base_after[i].second).abs().max().item<double>(), 1e-5) << after[i].first;
   }
+}
+
+// A group of the first n ranks: its collectives reach those ranks alone, and a rank outside it that
+// asks to join is told so.
+TEST(Distributed, a_group_of_the_first_ranks_reduces_over_them_alone) {
+  STRATA_NEEDS_PROCESSES(2);
+  for (int n = 1; n <= world(); ++n) {
+    SCOPED_TRACE("the first " + std::to_string(n) + " of " + std::to_string(world()) + " ranks");
+    if (rank() < n) {
+      auto g = distributed::first_ranks(test::device(), n);
+      EXPECT_EQ(g->size(), n);
+      EXPECT_EQ(g->rank(), rank());
+      auto t = torch::full({3}, static_cast<float>(rank() + 1), torch::TensorOptions().device(test::device()));
+      g->all_reduce(t).wait();
+      EXPECT_TRUE(torch::equal(t.cpu(), torch::full({3}, n * (n + 1) / 2.0f)));
+    } else {
+      EXPECT_THAT([&] { distributed::first_ranks(test::device(), n); },
+                  ThrowsMessage<Error>(HasSubstr("rank " + std::to_string(rank()) + " asked to join the group of ranks 0.." +
+                                                 std::to_string(n - 1))));
+    }
+    barrier();
+  }
+  EXPECT_THAT([&] { distributed::first_ranks(test::device(), world() + 1); },
+              ThrowsMessage<Error>(HasSubstr("first " + std::to_string(world() + 1) + " ranks in a world of")));
+}
+
+// Resume anywhere across world sizes: the first steps in one saving strategy at one world size
+// (its ranks saving their pieces), the rest in another at another (every one of its ranks loading
+// all the pieces), each step against the baseline. Ranks outside a world run a baseline in its
+// place, which loads the same files. The pipelines span the whole launch: they resume across
+// worlds in DistributedPipeline.a_resume_is_exact_and_its_files_are_the_whole_state.
+TEST(Distributed, prop_resume_anywhere_across_world_sizes) {
+  std::vector<std::string> targets;
+  for (const auto& s : correctness::saving_strategies())
+    if (s.rfind("pipeline_", 0) != 0) targets.push_back(s);
+  const auto device = test::device();
+  const auto sliced = [](const std::string& s) {
+    const auto traits = correctness::strategy_traits().find(s);
+    return traits != correctness::strategy_traits().end() && traits->second.data_parallel;
+  };
+  int handovers = 0, moved_world = 0;
+  const bool ok = rc::check("resume across world sizes of 1.." + std::to_string(world()), [&] {
+    const auto strategy = *rc::gen::elementOf(targets);
+    const auto r = *correctness::gen_resume_across(strategy, {device.str()}, world());
+    const auto group = [&](const std::string& s, int w) {
+      return sliced(s) ? distributed::first_ranks(device, w) : nullptr;
+    };
+    correctness::ResumeAcross across;
+    across.first = [&](StrategyConfig config) {
+      if (rank() >= r.first_world) {
+        config.options.clear();
+        return Registry::create("baseline", config);
+      }
+      config.group = group(r.c.resume_from, r.first_world);
+      return Registry::create(r.c.resume_from, config);
+    };
+    across.hand_over = [&](Strategy& from, Strategy& to) {
+      const auto dir = shared_dir("across-" + std::to_string(handovers++));
+      if (rank() == 0) state_files::remove_tree(dir);
+      barrier();
+      state_files::Manifest m;
+      m.model = r.c.model_text();
+      m.strategy = from.name();
+      m.step = r.c.resume_at;
+      if (rank() < r.first_world && from.world_size() > 1) {
+        auto ranks = distributed::first_ranks(torch::Device(torch::kCPU), r.first_world);
+        state_files::save_ranks(dir, m, rank(), r.first_world, from.training_state(), [&] {
+          auto t = torch::zeros({1});
+          ranks->all_reduce(t).wait();
+        });
+      } else if (rank() == 0) {
+        state_files::save(dir, m, {{"state.pt", from.training_state()}});
+      }
+      barrier();
+      to.load_training_state(state_files::load_all(state_files::latest(dir)));
+      barrier();
+      if (rank() == 0) state_files::remove_tree(dir);
+    };
+    const auto make = [&](StrategyConfig config) -> std::unique_ptr<Strategy> {
+      if (rank() >= r.then_world) {
+        config.options.clear();
+        return Registry::create("baseline", config);
+      }
+      if (config.options.empty()) config.options = Registry::required_options(strategy);
+      config.group = group(strategy, r.then_world);
+      return Registry::create(strategy, config);
+    };
+    if (r.first_world != r.then_world) ++moved_world;
+    const auto result = correctness::check_parity(make, r.c, device, &across);
+    if (!result.ok) RC_FAIL(strategy + " " + r.to_string() + ": " + result.message);
+  });
+  EXPECT_TRUE(ok);
+  if (world() > 1) EXPECT_GT(moved_world, 0) << "no case resumed at another world size";
 }
 
 TEST(Distributed, buffers_are_rank_zeros_on_every_rank) {

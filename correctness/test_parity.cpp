@@ -85,6 +85,18 @@ TEST_P(ResumeAnywhere, prop_matches_baseline) {
 INSTANTIATE_TEST_SUITE_P(Saving, ResumeAnywhere, ::testing::ValuesIn(saving_strategies()),
                          [](const auto& info) { return info.param; });
 
+// The cases resume at every step a run of them can resume at (after 1 .. steps - 1 steps).
+TEST(ResumeCases, resume_at_every_step_a_run_can) {
+  std::map<int, std::set<int>> at;  // steps -> the resume points drawn
+  EXPECT_TRUE(rc::check("resume points", [&] {
+    const auto c = *gen_resume_case("baseline", machine_devices());
+    RC_ASSERT(c.resume_at >= 1 && c.resume_at < c.steps);
+    at[c.steps].insert(c.resume_at);
+  }));
+  for (const auto& [steps, points] : at)
+    for (int step = 1; step < steps; ++step) EXPECT_TRUE(points.count(step)) << "no case of " << steps << " steps resumed after " << step;
+}
+
 TEST_P(Parity, tiny_presets_match_baseline) {
   for (const auto& preset : {"mlp-tiny", "mlp-tied-tiny", "gpt-tiny", "bert-tiny"}) {
     ParityCase c;

@@ -15,6 +15,9 @@
 #include "strategies/precision.h"
 
 namespace strata {
+namespace distributed {
+class Group;
+}
 
 /// Host tensors by canonical name, in canonical order; tied parameters appear once.
 
@@ -55,6 +58,10 @@ struct StrategyConfig {
   OptimizerConfig optimizer;
   PrecisionPolicy precision;              ///< fp32 by default; strategies that cannot honour another refuse it
   std::map<std::string, std::string> options;
+  /// The ranks a multi-process strategy spans (distributed::first_ranks); empty: every rank of the
+  /// launch. The sharded strategies take any; the pipelines, whose channels link the launch's
+  /// ranks, only the whole world. Single-process strategies have no use for it.
+  std::shared_ptr<distributed::Group> group;
 };
 
 class Strategy {

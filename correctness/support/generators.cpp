@@ -424,17 +424,28 @@ const std::vector<std::string>& saving_strategies() {
   return all;
 }
 
+namespace {
+bool data_parallel(const std::string& strategy) {
+  const auto traits = strategy_traits().find(strategy);
+  return traits != strategy_traits().end() && traits->second.data_parallel;
+}
+
+// The strategies a case may start in: its default options must take any batch, so not a pipeline
+// (whose micro-batches a batch must fill); pipelines are resumed into, with the case's options. Of
+// those, the ones that train the case's precision.
+std::vector<std::string> resume_sources(const ParityCase& c) {
+  std::vector<std::string> sources;
+  for (const auto& s : saving_strategies()) {
+    const auto traits = strategy_traits().find(s);
+    const bool batch_bound = traits != strategy_traits().end() && traits->second.micro_batches;
+    if (!batch_bound && strategy_supports(s, c.precision)) sources.push_back(s);
+  }
+  return sources;
+}
+}  // namespace
+
 rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices) {
   return rc::gen::mapcat(gen_parity_case(strategy, devices), [](ParityCase c) {
-    // The first steps' strategy runs with its default options, which must take any batch: not a
-    // pipeline (whose micro-batches a batch must fill); pipelines are resumed into, with the
-    // case's options. Of those, the ones that train the case's precision.
-    std::vector<std::string> sources;
-    for (const auto& s : saving_strategies()) {
-      const auto traits = strategy_traits().find(s);
-      const bool batch_bound = traits != strategy_traits().end() && traits->second.micro_batches;
-      if (!batch_bound && strategy_supports(s, c.precision)) sources.push_back(s);
-    }
     return rc::gen::apply(
         [c](const std::string& from, int at) {
           ParityCase r = c;
@@ -442,7 +453,35 @@ rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vect
           r.resume_at = at;
           return r;
         },
-        rc::gen::elementOf(sources), uniform(1, c.steps - 1));
+        rc::gen::elementOf(resume_sources(c)), uniform(1, c.steps));  // [1, steps - 1]
+  });
+}
+
+std::string ResumeAcrossCase::to_string() const {
+  return c.to_string() + " first_world=" + std::to_string(first_world) + " then_world=" + std::to_string(then_world);
+}
+
+rc::Gen<ResumeAcrossCase> gen_resume_across(const std::string& strategy, const std::vector<std::string>& devices,
+                                            int world) {
+  const bool sliced_then = data_parallel(strategy);
+  return rc::gen::mapcat(gen_parity_case(strategy, devices), [sliced_then, world](ParityCase c) {
+    // Data-parallel ranks compute BatchNorm's statistics over their slices, by design.
+    const bool sliced_exactly = !(c.chain && c.chain->has("bn"));
+    std::vector<std::string> sources;
+    for (const auto& s : resume_sources(c))
+      if (sliced_exactly || !data_parallel(s)) sources.push_back(s);
+    const int most = static_cast<int>(std::min<int64_t>(world, c.batch_size));
+    return rc::gen::apply(
+        [c, sliced_then](const std::string& from, int at, int first_world, int then_world) {
+          ResumeAcrossCase r;
+          r.c = c;
+          r.c.resume_from = from;
+          r.c.resume_at = at;
+          r.first_world = data_parallel(from) ? first_world : 1;
+          r.then_world = sliced_then ? then_world : 1;
+          return r;
+        },
+        rc::gen::elementOf(sources), uniform(1, c.steps), uniform(1, most + 1), uniform(1, most + 1));
   });
 }
 

@@ -71,6 +71,21 @@ const std::vector<std::string>& saving_strategies();
 /// or 2 of its 3 steps (ParityCase::resume_from).
 rc::Gen<ParityCase> gen_resume_case(const std::string& strategy, const std::vector<std::string>& devices);
 
+/// A resume across the processes of a launch (check_parity with ResumeAcross): the first steps'
+/// strategy trains at first_world ranks, the strategy under test at then_world.
+struct ResumeAcrossCase {
+  ParityCase c;        ///< with resume_from and resume_at
+  int first_world = 1;
+  int then_world = 1;
+  std::string to_string() const;
+};
+/// gen_resume_case's cases for `strategy` (not a pipeline) in a launch of `world` ranks, where a
+/// data-parallel first strategy gets only cases it slices exactly (no BatchNorm); world sizes
+/// 1..world for a data-parallel strategy (never more ranks than the batch has samples), 1 for
+/// another.
+rc::Gen<ResumeAcrossCase> gen_resume_across(const std::string& strategy, const std::vector<std::string>& devices,
+                                            int world);
+
 /// A parity case for `strategy`: a preset kind or a chain (half each), a batch of 1..5 (4..8 with
 /// BatchNorm; world size and up for data-parallel strategies), a seed, ignored targets or not,
 /// the strategy's options, and fp32 or (a third of the cases, where the strategy trains in bf16
@@ -92,5 +107,6 @@ inline void showValue(const ModelConfig& c, std::ostream& os) { os << c.to_strin
 }  // namespace strata::models
 namespace strata::correctness {
 inline void showValue(const ParityCase& c, std::ostream& os) { os << c.to_string(); }
+inline void showValue(const ResumeAcrossCase& c, std::ostream& os) { os << c.to_string(); }
 inline void showValue(const ChainSpec& c, std::ostream& os) { os << c.to_string(); }
 }  // namespace strata::correctness

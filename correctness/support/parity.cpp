@@ -359,20 +359,21 @@ std::string compare_to_reference(const std::string& what, const NamedTensors& ac
 static std::unique_ptr<Strategy> resumed(Strategy& from, std::unique_ptr<Strategy> to, const ParityCase& c) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("strata-resume-" + std::to_string(::getpid()) + "-" + std::to_string(c.seed));
-  std::filesystem::remove_all(dir);
+  state_files::remove_tree(dir.string());
   state_files::Manifest m;
   m.model = c.model_text();
   m.strategy = from.name();
   m.step = c.resume_at;
   const auto saved = state_files::save(dir.string(), m, {{"state.pt", from.training_state()}});
   const auto state = state_files::load_file(saved, state_files::read_manifest(saved), "state.pt");
-  std::filesystem::remove_all(dir);
+  state_files::remove_tree(dir.string());
   to->attach(c.build());
   to->load_training_state(state);
   return to;
 }
 
-ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device) {
+ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device,
+                          const ResumeAcross* across) {
   NoTf32 no_tf32;
   const auto structure = c.build();
   for (auto kind : {OptimizerKind::sgd, OptimizerKind::adamw}) {
@@ -394,7 +395,7 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     if (c.resume_at > 0) {  // the steps before it in another strategy
       StrategyConfig first = base_config;
       first.options = Registry::required_options(c.resume_from);
-      strategy = Registry::create(c.resume_from, first);
+      strategy = across ? across->first(first) : Registry::create(c.resume_from, first);
     } else {
       strategy = make(config);
     }
@@ -439,9 +440,9 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
     std::vector<double> carried, gradient_bounds;
     // A strategy over several ranks: every rank runs the references itself, and all must take
     // the same branch (a mismatch seen on one ends the check on all, or the others would wait in
-    // collectives the first never starts).
+    // collectives the first never starts); so too every rank of a resume across processes.
     auto settle = [&](std::string msg) {
-      if (strategy->world_size() <= 1) return msg;
+      if (strategy->world_size() <= 1 && !across) return msg;
       auto seen = torch::tensor({msg.empty() ? 0.0 : 1.0}, torch::kDouble);
       distributed::group_for(torch::Device(torch::kCPU))->all_reduce(seen, /*max=*/true).wait();
       if (seen.item<double>() > 0 && msg.empty()) msg = "another rank found a mismatch";
@@ -462,10 +463,25 @@ ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const 
         !msg.empty())
       return fail(0, msg);
     for (int step = 0; step < c.steps; ++step) {
-      if (step == c.resume_at && c.resume_at > 0) strategy = resumed(*strategy, make(config), c);
+      if (step == c.resume_at && c.resume_at > 0) {
+        if (across) {
+          auto to = make(config);
+          to->attach(c.build());
+          across->hand_over(*strategy, *to);
+          strategy = std::move(to);
+        } else {
+          strategy = resumed(*strategy, make(config), c);
+        }
+      }
       // The second step accumulates the gradients of two batches before its optimizer step, as the
       // interface promises, wherever the strategy accumulates (the others refuse it; tested apart).
-      const int micro_batches = step == 1 && strategy->accumulates_gradients() ? 2 : 1;
+      // Across processes, where ranks run other strategies, accumulated only where all of them do:
+      // every rank must take the same steps.
+      const bool accumulates =
+          across ? distributed::on_every_rank(*distributed::group_for(torch::Device(torch::kCPU)),
+                                              strategy->accumulates_gradients(), torch::Device(torch::kCPU))
+                 : strategy->accumulates_gradients();
+      const int micro_batches = step == 1 && accumulates ? 2 : 1;
       NamedTensors slice_sizes;
       // The step's batches in float64 and the reference's buffers before each (its parameters
       // before the step are ref_ends.before), for the slices' and samples' sizes.

@@ -133,7 +133,19 @@ using StrategyMaker = std::function<std::unique_ptr<Strategy>(const StrategyConf
 /// first mismatch. `device` is the main device of all of them. TF32 is off during the check (the
 /// bound is fp32's) and restored after it. A model whose training step draws random numbers
 /// (dropout) is an Error: the runs compared would draw other numbers.
-ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device);
+/// A resume across processes, for check_parity: every rank of the launch runs the check (each
+/// comparison settled over all of them: one rank's mismatch ends it everywhere). The steps before
+/// ParityCase::resume_at run in `first(config)` (resume_from on the ranks that train it, a stand-in
+/// on the others), and at resume_at `hand_over(from, to)` takes the state of `from` into `to`
+/// (made by the check's StrategyMaker and attached), e.g. through checkpoint files the ranks of one
+/// world write and those of another read.
+struct ResumeAcross {
+  StrategyMaker first;
+  std::function<void(Strategy& from, Strategy& to)> hand_over;
+};
+
+ParityResult check_parity(const StrategyMaker& make, const ParityCase& c, const torch::Device& device,
+                          const ResumeAcross* across = nullptr);
 /// Same, for a registered strategy.
 ParityResult check_parity(const std::string& strategy, const ParityCase& c, const torch::Device& device);
 

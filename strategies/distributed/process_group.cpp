@@ -152,12 +152,14 @@ void wait_work(const std::function<c10::intrusive_ptr<c10d::Work>()>& start, con
 
 class C10dGroup : public Group {
  public:
-  C10dGroup(std::string backend, torch::Device device)
+  // The world's ranks 0..size-1 (the whole world when `size` is the world's), this one among them.
+  C10dGroup(std::string backend, torch::Device device, int size)
       : backend_(std::move(backend)), device_(device), timeout_(configured_timeout()) {
     const auto& env = environment();
     rank_ = env.rank;
-    size_ = env.world_size;
-    store_ = c10::make_intrusive<c10d::PrefixStore>("strata/" + backend_, process_store());
+    size_ = size;
+    const std::string name = size == env.world_size ? "" : "/first-" + std::to_string(size);
+    store_ = c10::make_intrusive<c10d::PrefixStore>("strata/" + backend_ + name, process_store());
     try {
       if (backend_ == "nccl") {
         impl_ = make_nccl_backend(store_, rank_, size_, timeout_);
@@ -549,7 +551,27 @@ std::shared_ptr<Group> group_for(const torch::Device& device) {
     cuda.setDevice(torch::Device(torch::kCUDA, device.index() < 0 ? 0 : device.index()));
   }
   auto& g = groups[backend];
-  if (!g) g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device);
+  if (!g)
+    g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device,
+                                    environment().world_size);
+  return g;
+}
+
+std::shared_ptr<Group> first_ranks(const torch::Device& device, int size) {
+  const auto& env = environment();
+  STRATA_CHECK(size >= 1 && size <= env.world_size,
+               "distributed: a group of the first " << size << " ranks in a world of " << env.world_size);
+  STRATA_CHECK(env.rank < size, "distributed: rank " << env.rank << " asked to join the group of ranks 0.." << size - 1
+                                                      << ", which it is not in");
+  if (size == env.world_size) return group_for(device);
+  const auto whole = group_for(device);  // sets this rank's GPU, as for the world's group
+  static std::mutex mutex;
+  static auto& groups = *new std::map<std::pair<std::string, int>, std::shared_ptr<Group>>();  // as group_for's
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& g = groups[{whole->backend(), size}];
+  if (!g)
+    g = std::make_shared<C10dGroup>(whole->backend(), device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device,
+                                    size);
   return g;
 }
 

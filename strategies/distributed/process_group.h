@@ -115,6 +115,13 @@ std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to);
 /// process's lifetime. Timeout: STRATA_DIST_TIMEOUT_S seconds (default 300).
 std::shared_ptr<Group> group_for(const torch::Device& device);
 
+/// The group of the world's ranks 0..size-1 for tensors on `device`'s type (the world's own group
+/// when `size` is the world's): a strategy over part of a launch, e.g. one that resumes a run at
+/// another world size. Only those ranks call it, each the first time at the same point of its
+/// program (joining waits for the others); kept, as group_for's groups are. A rank outside it, or
+/// a size outside 1..world, is an Error.
+std::shared_ptr<Group> first_ranks(const torch::Device& device, int size);
+
 /// True when `mine` is true on every rank of `group` (a flag all-reduced on `device`): a decision
 /// taken the same way everywhere, e.g. whether all of a step's gradients are finite.
 bool on_every_rank(Group& group, bool mine, const torch::Device& device);

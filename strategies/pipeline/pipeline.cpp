@@ -291,6 +291,9 @@ void Pipeline::attach_model(models::BlockModel model) {
   std::vector<torch::Device> devices;
   const auto& env = distributed::environment();
   c10d_ = env.launched && env.world_size > 1;
+  STRATA_CHECK(!config_.group || config_.group->size() == env.world_size,
+               name_ << ": runs over every rank of the launch (its channels link the launch's ranks); a group of "
+                     << config_.group->size() << " of its " << env.world_size << " ranks is not taken");
   if (c10d_) {
     // One process per rank (torchrun, launch.py): this process is rank RANK on its own device.
     STRATA_CHECK(options_.devices.empty() && (options_.ranks == 0 || options_.ranks == env.world_size),

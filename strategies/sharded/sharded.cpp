@@ -135,7 +135,7 @@ void Sharded::count_collective(int64_t bytes, double factor) {
 
 void Sharded::attach_model(models::BlockModel model) {
   check_buffers_under(config_.precision, model, name_);
-  group_ = distributed::group_for(device_);
+  group_ = config_.group ? config_.group : distributed::group_for(device_);
   const int64_t w = group_->size(), r = group_->rank();
   const auto& params = model.parameters();
 
