@@ -12,9 +12,15 @@
 // Fault injection for the tests, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0):
 // --die-at=S kills --die-rank (default 1) with SIGKILL before step S; --die-in-save=S kills it in the
 // save after step S, once its own file is written and before the manifest.
+//
+// --async-save=1: each rank's file is written on a thread of its own while the next steps train
+// (state_files::write_rank in a BackgroundSave); the step only waits for training_state()'s copy.
+// The checkpoint is made whole (manifest, rename: collective) at the next save or at the end, so
+// until then resuming starts from the one before.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "models/check.h"
@@ -29,7 +35,7 @@ using namespace strata;
 
 struct Args {
   std::string strategy = "sharded", model = "gpt-tiny", checkpoint_dir, out, device = "cpu";
-  int64_t steps = 8, every = 2, batch = 0, die_at = -1, die_in_save = -1, die_rank = 1;
+  int64_t steps = 8, every = 2, batch = 0, die_at = -1, die_in_save = -1, die_rank = 1, async_save = 0;
 };
 
 int64_t int_value(const std::string& key, const std::string& v) {
@@ -61,10 +67,12 @@ Args parse(int argc, char** argv) {
     else if (key == "die-at") a.die_at = int_value(key, v);
     else if (key == "die-in-save") a.die_in_save = int_value(key, v);
     else if (key == "die-rank") a.die_rank = int_value(key, v);
+    else if (key == "async-save") a.async_save = int_value(key, v);
     else STRATA_FAIL("unknown argument '" << arg << "'");
   }
   STRATA_CHECK(a.steps >= 1, "--steps=" << a.steps << " must be 1 or more");
   STRATA_CHECK(a.every >= 1, "--every=" << a.every << " must be 1 or more");
+  STRATA_CHECK(a.async_save == 0 || a.async_save == 1, "--async-save=" << a.async_save << " must be 0 or 1");
   return a;
 }
 
@@ -107,6 +115,14 @@ int run(const Args& a) {
                     static_cast<long>(start), manifest.strategy.c_str(), manifest.world, env.restart_count);
     }
   }
+  state_files::BackgroundSave background;
+  std::optional<state_files::Manifest> pending;  // a save whose file is being written
+  auto finish_pending = [&] {
+    if (!pending) return;
+    background.wait();
+    state_files::finish_ranks(a.checkpoint_dir, *pending, env.rank, env.world_size, barrier);
+    pending.reset();
+  };
   for (int64_t step = start; step < a.steps; ++step) {
     if (doomed && step == a.die_at) die("before", step);
     const double loss = strategy->train_step(models::make_batch(preset.config, batch, 1000 + static_cast<uint64_t>(step)));
@@ -119,10 +135,22 @@ int run(const Args& a) {
       m.strategy = a.strategy;
       m.step = step + 1;
       state_files::SaveHooks hooks;
-      if (doomed && step + 1 == a.die_in_save) hooks.after_file = [&](const std::string&) { die("in the save after", step + 1); };
-      state_files::save_ranks(a.checkpoint_dir, m, env.rank, env.world_size, strategy->training_state(), barrier, hooks);
+      if (doomed && step + 1 == a.die_in_save)
+        hooks.after_file = [saved = step + 1](const std::string&) { die("in the save after", saved); };
+      if (a.async_save) {
+        finish_pending();
+        state_files::begin_ranks(a.checkpoint_dir, m.step, env.rank, barrier);
+        background.start([dir = a.checkpoint_dir, m, rank = env.rank, state = strategy->training_state(), hooks] {
+          state_files::write_rank(dir, m.step, rank, state, hooks);
+          return std::string();
+        });
+        pending = m;
+      } else {
+        state_files::save_ranks(a.checkpoint_dir, m, env.rank, env.world_size, strategy->training_state(), barrier, hooks);
+      }
     }
   }
+  finish_pending();
   const auto params = strategy->parameters();  // collective for sharded: every rank
   // A batch no step trained on, and the trained model's output for it: what another framework
   // holding these parameters must compute (bench/peers.py --strata-state).

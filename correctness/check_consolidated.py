@@ -11,8 +11,8 @@ import torch
 
 
 def main(whole_dir, expected_dir):
-    state = torch.load(os.path.join(whole_dir, "state.pt"))
-    expected = torch.load(os.path.join(expected_dir, "parameters.pt"))
+    state = torch.load(os.path.join(whole_dir, "state.pt"), weights_only=True)  # the default from PyTorch 2.6
+    expected = torch.load(os.path.join(expected_dir, "parameters.pt"), weights_only=True)
     assert expected, "no parameters expected"
     for name, value in expected.items():
         assert name in state, f"{name} is not in the consolidated state"

@@ -30,7 +30,8 @@ def main(checkpoint):
             data = f.read()
         assert len(data) == size, (name, len(data), size)
         assert zlib.crc32(data) == crc, (name, zlib.crc32(data), crc)
-        tensors = torch.load(os.path.join(checkpoint, name))
+        # weights_only: what torch.load does by default from PyTorch 2.6 on, asked for on every version
+        tensors = torch.load(os.path.join(checkpoint, name), weights_only=True)
         for key in sorted(tensors):
             t = tensors[key]
             assert str(t.dtype).replace("torch.", "") in (dtypes[key].lower(), {"Float": "float32", "Long": "int64",

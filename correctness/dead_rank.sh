@@ -1,8 +1,9 @@
 #!/bin/sh
 # A run that survives a dead rank: strata_train (sharded, 2 ranks under torchrun --max_restarts=1)
 # killed once before step 5, and once in the save after step 6 (its file written, the manifest not),
-# each restarted by torchrun's agent from the newest complete checkpoint, ends with parameters
-# equal, byte for byte, to a run that was never interrupted.
+# and once in that save written in the background (--async-save=1), each restarted by torchrun's
+# agent from the newest complete checkpoint, ends with parameters equal, byte for byte, to a run
+# that was never interrupted.
 #   correctness/dead_rank.sh STRATA_TRAIN WORK_DIR
 set -u
 train=$1
@@ -23,7 +24,7 @@ export OMP_NUM_THREADS=1 STRATA_DIST_TIMEOUT_S=30
 args="--strategy=sharded --model=gpt-tiny --steps=8 --every=2"
 status=0
 timeout -k 10 240 $launch --max_restarts=0 "$train" $args --out=plain > plain.log 2>&1 || { echo "uninterrupted run failed:"; tail -20 plain.log; exit 1; }
-for fault in "--die-at=5" "--die-in-save=6"; do
+for fault in "--die-at=5" "--die-in-save=6" "--die-in-save=6 --async-save=1"; do
   name=$(echo "$fault" | tr -dc 'a-z0-9')
   timeout -k 10 240 $launch --max_restarts=1 "$train" $args --checkpoint-dir="ckpt-$name" $fault --out="$name" > "$name.log" 2>&1 \
     || { echo "$fault: the run did not end well:"; tail -20 "$name.log"; status=1; continue; }

@@ -462,7 +462,9 @@ TEST(Distributed, prop_resume_anywhere_across_world_sizes) {
     if (!result.ok) RC_FAIL(strategy + " " + r.to_string() + ": " + result.message);
   });
   EXPECT_TRUE(ok);
-  if (world() > 1) EXPECT_GT(moved_world, 0) << "no case resumed at another world size";
+  if (world() > 1) {
+    EXPECT_GT(moved_world, 0) << "no case resumed at another world size";
+  }
 }
 
 TEST(Distributed, buffers_are_rank_zeros_on_every_rank) {

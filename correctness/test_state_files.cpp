@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 
 #include "correctness/support/errors.h"
@@ -172,9 +173,41 @@ TEST(StateFiles, remove_tree_removes_a_tree_and_leaves_an_absent_path_alone) {
   EXPECT_NO_THROW(state_files::remove_tree(dir.path));
 }
 
+// A background save: the caller goes on while the files are written (here the writer is held in
+// the middle of the save until the caller lets it go), the checkpoint appears whole once it is done,
+// and a save that fails rethrows its Error from wait(), leaving the checkpoint before as the latest.
+TEST(StateFiles, a_background_save_runs_while_the_caller_goes_on_and_its_error_comes_back) {
+  TempDir dir;
+  const auto five = state_files::save(dir.path, manifest_at(5), some_state());
+  std::promise<void> go;
+  auto released = go.get_future().share();
+  state_files::SaveHooks held;
+  held.after_file = [released](const std::string&) { released.wait(); };
+  state_files::BackgroundSave background;
+  background.start([&, held] { return state_files::save(dir.path, manifest_at(6), some_state(), held); });
+  EXPECT_TRUE(background.running());
+  EXPECT_EQ(state_files::latest(dir.path), five);  // the save is under way: not yet the latest
+  go.set_value();
+  const auto six = background.wait();
+  EXPECT_FALSE(background.running());
+  EXPECT_EQ(state_files::latest(dir.path), six);
+  EXPECT_EQ(state_files::load_all(six).size(), 4u);
+  state_files::SaveHooks die;
+  die.after_file = [](const std::string&) { STRATA_FAIL("killed during the save (injected)"); };
+  background.start([&, die] { return state_files::save(dir.path, manifest_at(7), some_state(), die); });
+  EXPECT_THAT([&] { background.wait(); }, ThrowsMessage<Error>(HasSubstr("killed during the save (injected)")));
+  EXPECT_EQ(state_files::latest(dir.path), six);
+  EXPECT_EQ(background.wait(), "");
+}
+
 TEST(StateFiles, crc32_is_zlibs) {
   // zlib.crc32(b"123456789") == 0xCBF43926, the check value of CRC-32/IEEE.
   EXPECT_EQ(state_files::crc32("123456789", 9), 0xCBF43926u);
+  // A longer buffer (eight bytes a round, then the tail), whole and in two parts.
+  std::string bytes(1003, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 7 + 3) % 256);
+  EXPECT_EQ(state_files::crc32(bytes.data(), bytes.size()), 0x25A60A70u);  // Python: zlib.crc32(bytes((i * 7 + 3) % 256 for i in range(1003)))
+  EXPECT_EQ(state_files::crc32(bytes.data() + 500, 503, state_files::crc32(bytes.data(), 500)), 0x25A60A70u);
 }
 
 // PyTorch reads the files: torch.load returns the tensors, and the manifest's sizes and CRC-32
@@ -359,6 +392,25 @@ TEST(Resume, is_exact_through_the_files_for_the_strategies_that_save) {
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(torch::equal(resumed[i].second, whole[i].second)) << whole[i].first;
       }
+}
+
+// A state is the caller's copy: training on leaves it as it was, so a background save may write it
+// while the next steps run (state_files::BackgroundSave).
+TEST(Resume, a_state_is_a_copy_that_training_on_leaves_alone) {
+  for (const auto& s : saving_strategies()) {
+    SCOPED_TRACE(s.label());
+    auto strategy = trained(s.strategy, "fp32", 2, 0, nullptr, s.options);
+    const auto state = strategy->training_state();
+    NamedTensors kept;
+    for (const auto& [name, t] : state) kept.emplace_back(name, t.clone());
+    const auto model = models::preset("gpt-tiny").config;
+    for (int i = 0; i < 2; ++i) {
+      strategy->train_step(models::make_batch(model, 4, 100 + 2 + i));
+      strategy->optimizer_step();
+    }
+    strategy->parameters();  // every update in flight has landed
+    for (size_t i = 0; i < state.size(); ++i) EXPECT_TRUE(torch::equal(state[i].second, kept[i].second)) << state[i].first;
+  }
 }
 
 // A state loaded into a strategy that has trained already (its windows, resident blocks and

@@ -2,6 +2,8 @@
 
 #include <ftw.h>
 #include <sys/stat.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
 #include <cerrno>
@@ -33,9 +35,13 @@ std::string step_name(int64_t step) {
 }
 
 std::vector<char> read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   STRATA_CHECK(in, "checkpoint: cannot read " << path.string());
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+  std::vector<char> out(static_cast<size_t>(in.tellg()));
+  in.seekg(0);
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  STRATA_CHECK(in, "checkpoint: cannot read " << path.string());
+  return out;
 }
 
 void write_bytes(const fs::path& path, const char* data, size_t size) {
@@ -51,9 +57,52 @@ std::string shape_of(const torch::Tensor& t) {
   return out.str();
 }
 
-// `tensors` as one file's bytes (a dict, torch::pickle_save), each on the host; their dtypes into
+struct Written {
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+// `value` written to `path` in the format of torch.save (a zip of "data.pkl" and each tensor's
+// storage: what torch::pickle_save makes, except that the pickle carries no type tags), straight
+// from the tensors' memory; its size and CRC-32, taken as it is written. A type tag is a call of
+// torch.jit._pickle.restore_type_tag, which torch.load refuses by default from PyTorch 2.6 on
+// (weights_only=True); a dict of name -> tensor needs none.
+Written write_pickle(const fs::path& path, const c10::IValue& value) {
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* data, size_t n) { pickle.insert(pickle.end(), data, data + n); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
+  Written w;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
+      const auto* bytes = static_cast<const char*>(data);
+      out.write(bytes, static_cast<std::streamsize>(n));
+      w.crc32 = crc32(bytes, n, w.crc32);
+      w.bytes += static_cast<int64_t>(n);
+      return n;
+    });
+    // The pickle names each storage by its place in tensorData(): record data/<place>.
+    const auto& tensors = pickler.tensorData();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& storage = tensors[i].storage();
+      writer.writeRecord("data/" + std::to_string(i), storage.data(), storage.nbytes());
+    }
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+    writer.writeEndOfFile();
+  }
+  out.close();
+  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
+  return w;
+}
+
+// `tensors` as one file's dict (read by torch.load), each on the host; their dtypes into
 // `dtypes`. A name twice, or one with a space (the manifest is space-separated), is an Error.
-std::vector<char> pickled(const NamedTensors& tensors, const std::string& file, std::map<std::string, std::string>& dtypes) {
+c10::IValue as_dict(const NamedTensors& tensors, const std::string& file, std::map<std::string, std::string>& dtypes) {
   c10::Dict<std::string, torch::Tensor> dict;
   for (const auto& [key, t] : tensors) {
     STRATA_CHECK(!dict.contains(key), "checkpoint: '" << key << "' twice in file " << file);
@@ -61,7 +110,7 @@ std::vector<char> pickled(const NamedTensors& tensors, const std::string& file, 
     dict.insert(key, t.detach().to(torch::kCPU).contiguous());
     dtypes[key] = c10::toString(t.scalar_type());
   }
-  return torch::pickle_save(c10::IValue(dict));
+  return c10::IValue(dict);
 }
 
 // The manifest written last, by rename, then the directory renamed: the save is whole.
@@ -70,17 +119,28 @@ void finish(const Manifest& manifest, const fs::path& partial, const fs::path& f
 }  // namespace
 
 uint32_t crc32(const char* data, size_t size, uint32_t crc) {
-  static const auto table = [] {
-    std::array<uint32_t, 256> t{};
+  // Eight bytes a round (slicing by 8): table k holds the CRC of a byte followed by k zero bytes.
+  static const auto tables = [] {
+    std::array<std::array<uint32_t, 256>, 8> t{};
     for (uint32_t i = 0; i < 256; ++i) {
       uint32_t c = i;
       for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
+      t[0][i] = c;
     }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xFF];
     return t;
   }();
+  const auto& t = tables;
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
   crc = ~crc;
-  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ static_cast<unsigned char>(data[i])) & 0xFF] ^ (crc >> 8);
+  for (; size >= 8; p += 8, size -= 8) {
+    const uint32_t lo = crc ^ (p[0] | p[1] << 8 | p[2] << 16 | static_cast<uint32_t>(p[3]) << 24);
+    const uint32_t hi = p[4] | p[5] << 8 | p[6] << 16 | static_cast<uint32_t>(p[7]) << 24;
+    crc = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^ t[3][hi & 0xFF] ^
+          t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
+  }
+  for (; size > 0; ++p, --size) crc = t[0][(crc ^ *p) & 0xFF] ^ (crc >> 8);
   return ~crc;
 }
 
@@ -157,9 +217,8 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
   for (const auto& [name, tensors] : files) {
     STRATA_CHECK(name.find_first_of("/ \n") == std::string::npos && !name.empty() && name != kManifest,
                  "checkpoint: file name '" << name << "' must be a plain name");
-    const auto bytes = pickled(tensors, name, manifest.dtypes);
-    write_bytes(partial / name, bytes.data(), bytes.size());
-    manifest.files.push_back({name, static_cast<int64_t>(bytes.size()), crc32(bytes.data(), bytes.size())});
+    const auto written = write_pickle(partial / name, as_dict(tensors, name, manifest.dtypes));
+    manifest.files.push_back({name, written.bytes, written.crc32});
     if (hooks.after_file) hooks.after_file(name);
   }
   finish(manifest, partial, final_dir);
@@ -175,26 +234,33 @@ void finish(const Manifest& manifest, const fs::path& partial, const fs::path& f
 }
 }  // namespace
 
-std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
-                       const std::function<void()>& barrier, const SaveHooks& hooks) {
-  const fs::path root(dir), final_dir = root / step_name(manifest.step);
-  const fs::path partial = root / (step_name(manifest.step) + ".partial");
+void begin_ranks(const std::string& dir, int64_t step, int rank, const std::function<void()>& barrier) {
+  const fs::path root(dir), final_dir = root / step_name(step);
+  const fs::path partial = root / (step_name(step) + ".partial");
   STRATA_CHECK(!fs::exists(final_dir), "checkpoint: " << final_dir.string() << " exists already");
   if (rank == 0) {
     remove_tree(partial.string());  // a save of this step cut short before
     fs::create_directories(partial);
   }
   barrier();
-  // Each rank's file, then a line of its size, checksum and dtypes beside it for rank 0.
+}
+
+void write_rank(const std::string& dir, int64_t step, int rank, const NamedTensors& tensors, const SaveHooks& hooks) {
+  const fs::path partial = fs::path(dir) / (step_name(step) + ".partial");
+  // This rank's file, then a line of its size, checksum and dtypes beside it for rank 0.
   const std::string name = "rank-" + std::to_string(rank) + ".pt";
   std::map<std::string, std::string> dtypes;
-  const auto bytes = pickled(tensors, name, dtypes);
+  const auto written = write_pickle(partial / name, as_dict(tensors, name, dtypes));
   std::ostringstream entry;
   for (const auto& [key, dtype] : dtypes) entry << key << " " << dtype << "\n";
-  write_bytes(partial / name, bytes.data(), bytes.size());
-  const auto sums = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size())) + "\n" + entry.str();
+  const auto sums = std::to_string(written.bytes) + " " + std::to_string(written.crc32) + "\n" + entry.str();
   write_bytes(partial / (name + ".entry"), sums.data(), sums.size());
   if (hooks.after_file) hooks.after_file(name);
+}
+
+std::string finish_ranks(const std::string& dir, Manifest manifest, int rank, int world, const std::function<void()>& barrier) {
+  const fs::path root(dir), final_dir = root / step_name(manifest.step);
+  const fs::path partial = root / (step_name(manifest.step) + ".partial");
   barrier();
   if (rank == 0) {
     manifest.world = world;
@@ -216,6 +282,33 @@ std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int 
   }
   barrier();
   return final_dir.string();
+}
+
+std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
+                       const std::function<void()>& barrier, const SaveHooks& hooks) {
+  begin_ranks(dir, manifest.step, rank, barrier);
+  write_rank(dir, manifest.step, rank, tensors, hooks);
+  return finish_ranks(dir, std::move(manifest), rank, world, barrier);
+}
+
+BackgroundSave::~BackgroundSave() {
+  if (!future_.valid()) return;
+  try {
+    future_.get();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata: a background save failed and no one waited for it: %s\n", e.what());
+  }
+}
+
+void BackgroundSave::start(std::function<std::string()> work) {
+  wait();
+  future_ = std::async(std::launch::async, std::move(work));
+}
+
+std::string BackgroundSave::wait() {
+  if (!future_.valid()) return "";
+  auto f = std::move(future_);
+  return f.get();
 }
 
 NamedTensors load_all(const std::string& checkpoint) {

@@ -7,6 +7,7 @@
 // manifest and checked on load; bad input is an Error naming what is wrong.
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <map>
 #include <string>
 #include <vector>
@@ -62,6 +63,33 @@ std::string save(const std::string& dir, Manifest manifest, const std::map<std::
 /// whole. Returns the checkpoint's directory on every rank; `manifest.world` is set to `world`.
 std::string save_ranks(const std::string& dir, Manifest manifest, int rank, int world, const NamedTensors& tensors,
                        const std::function<void()>& barrier, const SaveHooks& hooks = {});
+/// save_ranks() in its three phases, for a save whose files are written while training goes on:
+/// begin_ranks() (collective: rank 0 makes the step's partial directory), write_rank() (this
+/// rank's file; no collective, so it may run on a thread of its own, e.g. in a BackgroundSave),
+/// finish_ranks() (collective, once every rank's write_rank() has returned: the manifest, then the
+/// rename). A rank that dies between them leaves the step partial, and latest() skips it.
+void begin_ranks(const std::string& dir, int64_t step, int rank, const std::function<void()>& barrier);
+void write_rank(const std::string& dir, int64_t step, int rank, const NamedTensors& tensors, const SaveHooks& hooks = {});
+std::string finish_ranks(const std::string& dir, Manifest manifest, int rank, int world, const std::function<void()>& barrier);
+
+/// Work that runs on a thread of its own while training goes on, one at a time: e.g. save() or
+/// write_rank() of a state training_state() returned (the caller's copy, which training does not
+/// change). start() waits for the work before it (and rethrows its Error); wait() returns the
+/// work's result ("" if none was started) or rethrows its Error. The destructor waits too and
+/// reports on stderr an Error that no one waited for.
+class BackgroundSave {
+ public:
+  BackgroundSave() = default;
+  BackgroundSave(const BackgroundSave&) = delete;
+  BackgroundSave& operator=(const BackgroundSave&) = delete;
+  ~BackgroundSave();
+  void start(std::function<std::string()> work);
+  std::string wait();
+  bool running() const { return future_.valid(); }
+
+ private:
+  std::future<std::string> future_;
+};
 /// Every file of a checkpoint, read and checked: all ranks' parts of a state, for
 /// Strategy::load_training_state on any strategy and world.
 NamedTensors load_all(const std::string& checkpoint);

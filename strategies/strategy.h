@@ -126,8 +126,10 @@ class Strategy {
   /// (strategies/state_files.h): each parameter (its fp32 master) under its name, its optimizer
   /// state as "<name>/exp_avg", "<name>/exp_avg_sq" (AdamW; SGD's momentum is exp_avg) and
   /// "<name>/step" where it has taken a step, each buffer (running statistics) under its name, and
-  /// the loss scaler as "loss_scaler" (scale, good steps in a row, skipped steps). After optimizer_step, with no gradient accumulated. A strategy
-  /// that does not save its state yet: an Error naming it.
+  /// the loss scaler as "loss_scaler" (scale, good steps in a row, skipped steps). The tensors are
+  /// the caller's copies: training on leaves them as they are (a background save writes them while
+  /// the next steps run). After optimizer_step, with no gradient accumulated. A strategy that does
+  /// not save its state yet: an Error naming it.
   virtual NamedTensors training_state();
   /// Takes a state training_state() returned, from this strategy or another of the same model:
   /// every parameter's name and shape must match (an Error names the first that does not). The
