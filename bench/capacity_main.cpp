@@ -42,6 +42,8 @@
 namespace strata {
 namespace {
 
+using bench::json_string;
+
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr const char* kProbeTag = "strata_capacity probe: ";
 
@@ -414,16 +416,6 @@ int run_parity(const Args& a) {
     if (ch == '\n') ch = ' ';
   std::printf("%s\n", line.c_str());
   return 0;
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') out += '\\', out += ch;
-    else if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x80) out += ' ';
-    else out += ch;
-  }
-  return out + "\"";
 }
 
 std::string probe_json(const std::string& strategy, const bench::Probe& p, const bench::MemoryPrediction* predicted) {

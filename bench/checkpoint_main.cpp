@@ -2,6 +2,8 @@
 // as one whole state that one process, or PyTorch's torch.load, reads.
 //   strata_checkpoint info CHECKPOINT
 //   strata_checkpoint consolidate CHECKPOINT OUT_DIR
+//   strata_checkpoint bench --dir=DIR [--model=gpt-871m] [--device=cuda:0] [--strategies=A,B]
+//                           [--repetitions=3] [--batch=N] [--json=FILE]   (bench/checkpoint_bench.cpp)
 // The shapes come from the model the manifest names (a preset's config text), built on the host.
 #include <cstdio>
 #include <iostream>
@@ -17,6 +19,8 @@ int usage() {
   std::fprintf(stderr,
                "usage: strata_checkpoint info CHECKPOINT\n"
                "       strata_checkpoint consolidate CHECKPOINT OUT_DIR\n"
+               "       strata_checkpoint bench --dir=DIR [--model=gpt-871m] [--device=cuda:0] [--strategies=A,B]\n"
+               "                               [--repetitions=3] [--batch=N] [--json=FILE]\n"
                "  CHECKPOINT is a step directory (DIR/step-000000042) or a directory of them (its latest)\n");
   return 2;
 }
@@ -28,11 +32,16 @@ std::string resolve(const std::string& path) {
 
 }  // namespace
 
+namespace strata::bench {
+int checkpoint_bench(int argc, char** argv);
+}
+
 int main(int argc, char** argv) {
   using namespace strata;
   if (argc < 3) return usage();
   const std::string command = argv[1];
   try {
+    if (command == "bench") return bench::checkpoint_bench(argc, argv);
     const auto checkpoint = resolve(argv[2]);
     const auto manifest = state_files::read_manifest(checkpoint);
     if (command == "info" && argc == 3) {

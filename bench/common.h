@@ -18,6 +18,17 @@
 
 namespace strata::bench {
 
+/// `s` as a JSON string: quotes and backslashes escaped, control and non-ASCII bytes as spaces.
+inline std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\', out += ch;
+    else if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x80) out += ' ';
+    else out += ch;
+  }
+  return out + "\"";
+}
+
 /// The tiny preset of the same model kind: parity is checked there, where it is cheap.
 inline const models::ModelConfig& parity_model_for(const models::ModelConfig& config) {
   switch (config.kind) {

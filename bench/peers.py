@@ -28,6 +28,15 @@ stage computes under autocast and passes its activations on in bf16.
   torchrun --nproc-per-node=2 bench/peers.py --model=gpt-871m --peers=torch_pp_1f1b --micro-batches=8 --out=pp.json
   torchrun --nproc-per-node=1 bench/peers.py --peers=torch_pp_interleaved,torch_pp_zbv,torch_pp_looped_bfs --precision=bf16 --out=pp1.json
   python3 bench/peers.py --self-test [--offload-py=PATH]   # the parity check fails a wrong peer, passes right ones
+  python3 bench/peers.py --model=gpt-871m --checkpoint-dir=DIR --out=ckpt-peers.json
+
+With --checkpoint-dir, the peers of `strata_checkpoint bench` instead: a training state (the model
+after one AdamW step, and the optimizer's) saved and loaded on that disk by torch.distributed.
+checkpoint (DCP) from FSDP2 at world size 1 (dcp_fsdp2; where FSDP2 is missing, torch < 2.4, DCP
+saves the plain model's: dcp_model), and by torch.save / torch.load of the plain model's
+(torch_save); each also through DCP's async_save, timing what the step waits for. Rows
+checkpoint_save/, checkpoint_load/ and checkpoint_async_blocked/PEER/MODEL, as strata's. On a
+machine without CUDA they run on the host.
 """
 import argparse
 import importlib.util
@@ -179,7 +188,7 @@ def forward_backward(model, idx, target, backward_ctx=None, vocab=None, scale=1.
     one); returns the loss."""
     # FSDP2 under bf16 casts by its own MixedPrecisionPolicy, not autocast.
     autocast = PRECISION == "bf16" and not getattr(model, "strata_mixed_precision", False)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
         out = model(idx)
         loss = F.cross_entropy(out.reshape(-1, vocab or out.shape[-1]), target.reshape(-1)) * scale
     if backward_ctx:
@@ -356,8 +365,8 @@ def check_strata_state(model_name, state_path, eval_path):
     c = PRESETS[model_name]
     assert not is_bert(c), "the check maps strata's GPT"
     model = GPT(c, checkpoint=False)
-    load_strata_state(model, c, torch.load(state_path))
-    ev = torch.load(eval_path)
+    load_strata_state(model, c, torch.load(state_path, weights_only=True))
+    ev = torch.load(eval_path, weights_only=True)
     with torch.no_grad():
         logits = model(ev["input"])
     theirs = ev["logits"]
@@ -750,6 +759,162 @@ def run_distributed(args):
     return 1 if bad else 0
 
 
+def dir_bytes(path):
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def checkpoint_row(kind, peer, model_name, ms, reps, extra):
+    name = f"checkpoint_{kind}/{peer}/{model_name}"
+    out = {"name": name, "run_name": name, "run_type": "iteration", "iterations": reps, "real_time": ms,
+           "cpu_time": ms, "time_unit": "ms"}
+    out.update(extra)
+    return out
+
+
+def run_checkpoint_peer(peer, c, model_name, root, reps):
+    """One peer's save, load and asynchronous-save rows (see the module's text)."""
+    import shutil
+    import types
+    dcp = types.SimpleNamespace() if peer == "torch_save" else importlib.import_module("torch.distributed.checkpoint")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    fsdp = peer == "dcp_fsdp2"
+    if fsdp:
+        model, opt, _, _ = build_peer("fsdp2", c, dev, None)
+    else:
+        model = GPT(c, checkpoint=False).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx, target = batch(c, dev)
+
+    def step():
+        forward_backward(model, idx, target, vocab=c["vocab"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+
+    step()
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        state = lambda: dict(zip(("model", "optim"), get_state_dict(model, opt)))
+        restore = lambda sd: set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}
+
+        def restore(sd):
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+
+    def save(sd, path):
+        if peer == "torch_save":
+            torch.save(sd, os.path.join(path, "state.pt"))
+        elif hasattr(dcp, "save"):
+            dcp.save(sd, checkpoint_id=path)
+        else:  # torch < 2.2
+            dcp.save_state_dict(sd, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+    def load(path):
+        if peer == "torch_save":
+            sd = torch.load(os.path.join(path, "state.pt"), map_location=dev)
+        else:
+            sd = state()  # DCP loads in place, into tensors of the right shapes and placement
+            if hasattr(dcp, "load"):
+                dcp.load(sd, checkpoint_id=path)
+            else:
+                dcp.load_state_dict(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        restore(sd)
+        sync()
+
+    save_ms, load_ms, blocked_ms, step_ms, nbytes = [], [], [], [], 0
+    for r in range(reps):
+        path = os.path.join(root, f"{peer}-{r}")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        before = [p.detach().clone() for p in model.parameters()]
+        t0 = time.perf_counter()
+        save(state(), path)
+        save_ms.append((time.perf_counter() - t0) * 1e3)
+        nbytes = dir_bytes(path)
+        t0 = time.perf_counter()
+        load(path)
+        load_ms.append((time.perf_counter() - t0) * 1e3)
+        for a, b in zip(before, model.parameters()):
+            if not torch.equal(full(a), full(b.detach())):
+                raise RuntimeError("parity failed: a parameter differs after the load from what was saved")
+        shutil.rmtree(path, ignore_errors=True)
+        if peer == "torch_save" or hasattr(dcp, "async_save"):
+            os.makedirs(path)
+            t0 = time.perf_counter()
+            if peer == "torch_save":  # torch.save has no asynchronous form: a copy, then a thread
+                import threading
+                copy = {k: v for k, v in state().items()}
+                copy = torch.utils._pytree.tree_map(lambda t: t.to("cpu", copy=True) if torch.is_tensor(t) else t, copy)
+                done = threading.Thread(target=torch.save, args=(copy, os.path.join(path, "state.pt")))
+                done.start()
+                finish = done.join
+            else:
+                finish = dcp.async_save(state(), checkpoint_id=path).result
+            blocked_ms.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            step()
+            step_ms.append((time.perf_counter() - t1) * 1e3)
+            finish()
+            shutil.rmtree(path, ignore_errors=True)
+        print(f"peers.py: {peer}: save {save_ms[-1]:.0f} ms, load {load_ms[-1]:.0f} ms"
+              + (f", async blocks {blocked_ms[-1]:.0f} ms" if blocked_ms else "") + f", {nbytes / 1e9:.2f} GB",
+              file=sys.stderr, flush=True)
+    gb = nbytes / 1e9
+    rows = [checkpoint_row("save", peer, model_name, statistics.mean(save_ms), reps,
+                           {"bytes": nbytes, "GB_per_s": gb / (statistics.mean(save_ms) / 1e3)}),
+            checkpoint_row("load", peer, model_name, statistics.mean(load_ms), reps,
+                           {"bytes": nbytes, "GB_per_s": gb / (statistics.mean(load_ms) / 1e3)})]
+    if blocked_ms:
+        rows.append(checkpoint_row("async_blocked", peer, model_name, statistics.mean(blocked_ms), reps,
+                                   {"bytes": nbytes, "of_sync_save": statistics.mean(blocked_ms) / statistics.mean(save_ms),
+                                    "step_ms_while_writing": statistics.mean(step_ms)}))
+    return rows
+
+
+def run_checkpoint_peers(args):
+    c = PRESETS[args.model]
+    if is_bert(c):
+        sys.exit("peers.py: --checkpoint-dir runs the GPT presets")
+    try:
+        importlib.import_module("torch.distributed.checkpoint")
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+            default = "dcp_fsdp2,torch_save"
+        except ImportError:
+            default = "dcp_model,torch_save"
+    except Exception as e:  # Debian's torch 1.13 under Python 3.11 cannot import DCP at all
+        print(f"peers.py: no torch.distributed.checkpoint here ({type(e).__name__}): torch_save only",
+              file=sys.stderr, flush=True)
+        default = "torch_save"
+    peers = default.split(",") if args.peers == "torch_baseline,torch_checkpoint,fsdp2_cpu_offload,seed_offload" \
+        else args.peers.split(",")
+    results, bad = [], []
+    for peer in peers:
+        if peer not in ("dcp_fsdp2", "dcp_model", "torch_save"):
+            sys.exit(f"peers.py: --checkpoint-dir runs dcp_fsdp2, dcp_model and torch_save, not {peer}")
+        try:
+            results += run_checkpoint_peer(peer, c, args.model, args.checkpoint_dir, args.repetitions)
+        except Exception as e:
+            results.append(failed(f"checkpoint_save/{peer}/{args.model}", f"{type(e).__name__}: {e}"))
+            print(f"peers.py: {peer} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+            bad.append(peer)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    context = {"peers_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "torch_version": torch.__version__, "checkpoint_dir": args.checkpoint_dir,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(args.out, "w") as f:
+        json.dump({"context": context, "benchmarks": results}, f, indent=1)
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt-871m", choices=sorted(PRESETS))
@@ -767,11 +932,18 @@ def main():
     ap.add_argument("--strata-state", metavar="PT",
                     help="a strata checkpoint's consolidated state.pt: check it in this GPT against --strata-eval")
     ap.add_argument("--strata-eval", metavar="PT", help="strata_train's eval.pt (a batch and strata's logits)")
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="time checkpoints of a training state written to DIR instead (see above)")
+    ap.add_argument("--repetitions", type=int, default=3, help="with --checkpoint-dir: saves and loads per peer")
     ap.add_argument("--self-test", action="store_true",
                     help="only show that the parity check fails a deliberately wrong peer and passes right ones")
     ap.add_argument("--profile", metavar="DIR",
                     help="after timing, record one forward+backward of each one-process peer into DIR/<peer>.trace.json")
     args = ap.parse_args()
+    if args.checkpoint_dir:
+        if not args.out:
+            ap.error("--out is required")
+        return run_checkpoint_peers(args)
     if args.strata_state:  # on the host: any machine with PyTorch
         sys.exit(0 if check_strata_state(args.model, args.strata_state, args.strata_eval) else 1)
     if not torch.cuda.is_available():

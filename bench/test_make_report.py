@@ -38,18 +38,35 @@ def report(context, cells, peers=None):
             return f.read()
 
 
-def capacity_report(searches):
+def report_from(flag, files, plot="capacity.png"):
+    """make_report's report of stored JSON files given with `flag` (repeated), and whether `plot` was drawn."""
     with tempfile.TemporaryDirectory() as d:
         paths = []
-        for i, data in enumerate(searches):
-            paths += ["--capacity", os.path.join(d, f"cap{i}.json")]
+        for i, data in enumerate(files):
+            paths += [flag, os.path.join(d, f"in{i}.json")]
             with open(paths[-1], "w") as f:
                 json.dump(data, f)
         subprocess.run([sys.executable, MAKE_REPORT, "--out", d, "--machine", "test GPU"] + paths, check=True,
                        stdout=subprocess.DEVNULL)
         with open(os.path.join(d, "report.md")) as f:
-            return f.read(), os.path.exists(os.path.join(d, "capacity.png"))
+            return f.read(), os.path.exists(os.path.join(d, plot))
 
+
+def ckpt_rows(who, save_ms, load_ms, wait_ms, nbytes=14 * 2**30):
+    name = lambda kind: f"checkpoint_{kind}/{who}/gpt-871m"
+    return [{"name": name("save"), "real_time": save_ms, "bytes": nbytes, "GB_per_s": nbytes / 1e9 / (save_ms / 1e3)},
+            {"name": name("load"), "real_time": load_ms, "bytes": nbytes, "GB_per_s": nbytes / 1e9 / (load_ms / 1e3)},
+            {"name": name("async_blocked"), "real_time": wait_ms, "bytes": nbytes, "of_sync_save": wait_ms / save_ms,
+             "step_ms_while_writing": 800.0}]
+
+
+# strata_checkpoint bench's rows for two strategies, one failed, and the DCP and torch.save peers'.
+CKPT_STRATA = {"context": {"device_name": "NVIDIA H100 80GB HBM3"},
+               "benchmarks": ckpt_rows("baseline", 10000.0, 8000.0, 900.0)
+               + [{"name": "checkpoint_save/manual_split/gpt-871m", "error_occurred": True,
+                   "error_message": "error: out of memory"}]}
+CKPT_PEERS = {"context": {"peers_device": "NVIDIA H100 80GB HBM3"},
+              "benchmarks": ckpt_rows("dcp_fsdp2", 12500.0, 9000.0, 2000.0) + ckpt_rows("torch_save", 20000.0, 15000.0, 6000.0)}
 
 # A stored strata_capacity search on an emulated 8 GiB card, and a --fit run.
 SEARCH = {"context": {"strata_device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "device_memory_bytes": 8 * 2**30,
@@ -81,7 +98,8 @@ FIT = {"context": dict(SEARCH["context"], mode="fit", model="bert-base-6m", axis
 
 
 def main():
-    capacity, capacity_plot = capacity_report([SEARCH, FIT])
+    capacity, capacity_plot = report_from("--capacity", [SEARCH, FIT])
+    checkpoints, _ = report_from("--checkpoints", [CKPT_STRATA, CKPT_PEERS])
     cpu = report({"strata_device": "cpu", "peak_tflops": 0.05},
                  [cell("baseline", "gpt-tiny", peak_param_bytes=110080, peak_allocated_bytes=0,
                        h2d_bytes_per_step=512),
@@ -148,6 +166,11 @@ def main():
          capacity.index("| hook_offload_overlap | trains | 1637.7 |") < capacity.index("| sharded_offload | trains | 1950.9 |")
          < capacity.index("| baseline | device out of memory |")),
         ("capacity: the frontier plot", capacity_plot and "![Capacity frontier](capacity.png)" in capacity),
+        ("checkpoints: each strategy and peer with its save against DCP's",
+         "| baseline | 14.00 | 10000.0 | 1.50 | 8000.0 | 1.88 | 900.0 | 9% | 800.0 | 0.80x |" in checkpoints
+         and "| dcp_fsdp2 | 14.00 | 12500.0 | 1.20 | 9000.0 | 1.67 | 2000.0 | 16% | 800.0 | 1.00x |" in checkpoints
+         and "save / dcp_fsdp2's" in checkpoints and "state GiB" in checkpoints),
+        ("checkpoints: a failed strategy shows its error", "| manual_split | error: out of memory |" in checkpoints),
         ("a triad below the run's own host pass: the floor is that pass (every parameter, marked so)",
          "| hook_offload | 1,000,000,000 (model's) | 350.0 | 350.0 | 80.0 | 300.0 | 350.0 | 650.0 | 1.86 |" in low_triad
          and "80.0 GB/s, the fastest host pass of this run" in low_triad),

@@ -473,8 +473,25 @@ if [ "$gate_only" != 1 ] && [ -x build/cuda/bench/strata_capacity ]; then
     --max=32 --timeout=300 --json="$outdir/capacity-8g.json" > "$outdir/capacity-8g.txt" 2>&1 || status=1
   capacity=(--capacity "$outdir/capacity-8g.json")
 fi
+# Checkpoints of gpt-871m's whole training state on this machine's disk (under $STRATA_CKPT_DIR, by
+# default the output folder): save, load and the asynchronous save's wait per strategy
+# (bench/checkpoint_bench.cpp), beside DCP from FSDP2 and torch.save (bench/peers.py
+# --checkpoint-dir); their section joins the report.
+checkpoints=()
+if [ "$gate_only" != 1 ] && [ -x build/cuda/bench/strata_checkpoint ]; then
+  echo "ci/gpu.sh: checkpoints of gpt-871m"
+  ckpt_dir="${STRATA_CKPT_DIR:-$outdir/ckpt}"
+  mkdir -p "$ckpt_dir"
+  ./build/cuda/bench/strata_checkpoint bench --device=cuda:0 --model="${STRATA_PEERS_MODEL:-gpt-871m}" \
+    --strategies=baseline,hook_offload,hook_offload_overlap,sharded,sharded_offload --repetitions=2 --dir="$ckpt_dir" \
+    --json="$outdir/checkpoints.json" 2>&1 | tee "$outdir/checkpoints.txt" || status=1
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --model="${STRATA_PEERS_MODEL:-gpt-871m}" --checkpoint-dir="$ckpt_dir" \
+    --repetitions=2 --out="$outdir/checkpoint-peers.json" 2>&1 | tee -a "$outdir/checkpoints.txt" || status=1
+  rm -rf "$ckpt_dir"
+  checkpoints=(--checkpoints "$outdir/checkpoints.json" --checkpoints "$outdir/checkpoint-peers.json")
+fi
 [ "$gate_only" = 1 ] || python3 reports/make_report.py --strata "$outdir/bench.json" --peers "$outdir/peers.json" --out "$outdir/report" \
-  ${capacity[@]+"${capacity[@]}"} --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
+  ${capacity[@]+"${capacity[@]}"} ${checkpoints[@]+"${checkpoints[@]}"} --machine "$gpu_name" --note "$matrix_note${matrix_note:+${note:+ }}$note" \
   --command "bash ci/gpu.sh  # $bench_command; bench/peers.py --model=${STRATA_PEERS_MODEL:-gpt-871m} --steps=3$more_peers" || status=1
 
 exit $status

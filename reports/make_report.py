@@ -460,6 +460,55 @@ def capacity_section(paths, out_dir):
     return out
 
 
+def checkpoint_section(paths):
+    """The 'Checkpoints' section for strata_checkpoint bench and bench/peers.py --checkpoint-dir JSON
+    files: per model, each strategy's and peer's save and load (time and GB/s of the state's bytes
+    on disk), the wait an asynchronous save costs the step (and its share of the synchronous save),
+    the step while the file is written, and the save against DCP's (dcp_fsdp2, else dcp_model)."""
+    rows, devices = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        ctx = data.get("context", {})
+        devices.append(ctx.get("device_name") or ctx.get("peers_device") or "?")
+        for r in data.get("benchmarks", []):
+            kind, who, model = (r["name"].split("/", 2) + ["", ""])[:3]
+            rows.append(dict(r, kind=kind, who=who, model=model))
+    out = ["\n## Checkpoints\n",
+           "strata_checkpoint bench (the whole training state after one AdamW step: training_state(), then "
+           "state_files::save; the load must bring back the saved parameters after another step moved them) and "
+           f"bench/peers.py --checkpoint-dir (DCP, torch.save), on {', '.join(sorted(set(devices)))}. GB/s: the "
+           "files' bytes over the time. Async: what the step waits for before the file is written in the "
+           "background.\n"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        who = list(dict.fromkeys(r["who"] for r in mine))
+        get = lambda w, k: next((r for r in mine if r["who"] == w and r["kind"] == k), None)
+        dcp = next((w for w in ("dcp_fsdp2", "dcp_model") if get(w, "checkpoint_save")
+                    and not get(w, "checkpoint_save").get("error_occurred")), None)
+        out.append(f"### {model}\n")
+        unit, div = byte_unit([r.get("bytes", 0) or 0 for r in mine])
+        head = (f"| strategy or peer | state {unit} | save ms | save GB/s | load ms | load GB/s | async: step waits ms "
+                "| of its sync save | step ms while writing |" + (f" save / {dcp}'s |" if dcp else ""))
+        out += [head, "|" + "---|" * (head.count("|") - 1)]
+        for w in who:
+            save, load, wait = (get(w, k) for k in ("checkpoint_save", "checkpoint_load", "checkpoint_async_blocked"))
+            if save and save.get("error_occurred"):
+                out.append(f"| {w} | {save.get('error_message', 'error')} |")
+                continue
+            num = lambda r, k, f="{:.1f}": f.format(r[k]) if r and r.get(k) is not None else "-"
+            size = f"{save['bytes'] / div:.2f}" if save and save.get("bytes") else "-"
+            line = (f"| {w} | {size} | "
+                    f"{num(save, 'real_time')} | {num(save, 'GB_per_s', '{:.2f}')} | {num(load, 'real_time')} | "
+                    f"{num(load, 'GB_per_s', '{:.2f}')} | {num(wait, 'real_time')} | {num(wait, 'of_sync_save', '{:.0%}')} | "
+                    f"{num(wait, 'step_ms_while_writing')} |")
+            if dcp:
+                line += f" {save['real_time'] / get(dcp, 'checkpoint_save')['real_time']:.2f}x |" if save else " - |"
+            out.append(line)
+        out.append("")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata")
@@ -470,6 +519,8 @@ def main():
     ap.add_argument("--note", default="", help="shown in bold under the header (e.g. that the run was not gated)")
     ap.add_argument("--capacity", action="append", default=[], metavar="JSON",
                     help="strata_capacity JSON: a 'Largest that trains' section (repeatable)")
+    ap.add_argument("--checkpoints", action="append", default=[], metavar="JSON",
+                    help="strata_checkpoint bench or peers.py --checkpoint-dir JSON: a 'Checkpoints' section (repeatable)")
     ap.add_argument("--readme-table", metavar="FOLDER", help="print the README's table for a committed report folder")
     ap.add_argument("--update-readme", metavar="README", help="rewrite the README's generated tables")
     args = ap.parse_args()
@@ -479,14 +530,18 @@ def main():
     if args.update_readme:
         update_readme(args.update_readme)
         return
-    if args.capacity and not args.strata and args.out:
+    if (args.capacity or args.checkpoints) and not args.strata and args.out:
         os.makedirs(args.out, exist_ok=True)
-        out = [f"# strata capacity: {args.machine}\n"] if args.machine else ["# strata capacity\n"]
+        title = " and ".join(t for t, on in (("capacity", args.capacity), ("checkpoints", args.checkpoints)) if on)
+        out = [f"# strata {title}: {args.machine}\n"] if args.machine else [f"# strata {title}\n"]
         if args.note:
             out.append(f"**{args.note}**\n")
         if args.command:
             out.append(f"Produced by:\n\n```sh\n{args.command}\n```\n")
-        out += capacity_section(args.capacity, args.out)
+        if args.capacity:
+            out += capacity_section(args.capacity, args.out)
+        if args.checkpoints:
+            out += checkpoint_section(args.checkpoints)
         with open(os.path.join(args.out, "report.md"), "w") as f:
             f.write("\n".join(out) + "\n")
         print(f"make_report.py: wrote {os.path.join(args.out, 'report.md')}")
@@ -632,6 +687,8 @@ def main():
         plt.close(fig)
     if args.capacity:
         out += capacity_section(args.capacity, args.out)
+    if args.checkpoints:
+        out += checkpoint_section(args.checkpoints)
     out.append("\n## Plots\n")
     for png, title in (("throughput.png", "Throughput"), ("memory.png", "Peak memory"),
                        ("tradeoff.png", "Memory against speed"), ("bandwidth.png", "Achieved H2D bandwidth")):
