@@ -6,7 +6,7 @@
 // trained on and the model's output for it. Batches depend on the step alone, so a run
 // resumed anywhere trains on what an uninterrupted one does.
 //
-//   torchrun --nproc-per-node=2 --max-restarts=1 strata_train --strategy=sharded --model=gpt-tiny \
+//   torchrun --nproc-per-node=2 --max-restarts=1 strata_train --strategy=sharded --model=gpt-tiny
 //       --steps=8 --every=2 --checkpoint-dir=ckpt --out=final
 //
 // Fault injection for the tests, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0):
