@@ -10,7 +10,9 @@
 //    ("blocked"); then one training step while the file is written, and the wait for it.
 // Rows (Google Benchmark's JSON, as strata_bench's): checkpoint_save/S/MODEL, checkpoint_load/S/MODEL
 // and checkpoint_async_blocked/S/MODEL, with bytes, GB_per_s and the async one's share of the
-// synchronous save. bench/peers.py --checkpoint-dir writes DCP's rows for the same model.
+// synchronous save. bench/peers.py --checkpoint-dir writes DCP's rows for the same model. A
+// strategy that runs out of memory is a result (its row says so); an error or a load that does not
+// bring back the saved parameters fails the run.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -178,12 +180,15 @@ int checkpoint_bench(int argc, char** argv) {
       for (auto& r : measure(a, strategy, dev)) rows.push_back(std::move(r));
     } catch (const std::exception& e) {
       std::string message = e.what();
-      if (message.rfind("parity failed", 0) != 0) message = "error: " + message;
+      const auto outcome = message.rfind("parity failed", 0) == 0 ? Outcome::parity_failed
+                           : is_oom(message)                     ? Outcome::out_of_memory
+                                                                 : Outcome::error;
+      if (outcome != Outcome::parity_failed) message = prefix_of(outcome) + message;
       std::fprintf(stderr, "strata_checkpoint bench: %s: %s\n", strategy.c_str(), message.c_str());
       rows.push_back("{\"name\": " + json_string("checkpoint_save/" + strategy + "/" + a.model) +
                      ", \"run_type\": \"iteration\", \"error_occurred\": true, \"error_message\": " +
                      json_string(message.substr(0, 300)) + "}");
-      ++failed;
+      if (fails_the_run(outcome)) ++failed;
     }
     device::release_cached_memory(dev);  // what this strategy cached is not the next one's
   }

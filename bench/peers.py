@@ -775,7 +775,8 @@ def checkpoint_row(kind, peer, model_name, ms, reps, extra):
 
 
 def run_checkpoint_peer(peer, c, model_name, root, reps):
-    """One peer's save, load and asynchronous-save rows (see the module's text)."""
+    """One peer's save, load and asynchronous-save rows (see the module's text). As strata's bench,
+    a step moves the parameters between the save and the load, which must bring back those saved."""
     import shutil
     import types
     dcp = types.SimpleNamespace() if peer == "torch_save" else importlib.import_module("torch.distributed.checkpoint")
@@ -838,6 +839,7 @@ def run_checkpoint_peer(peer, c, model_name, root, reps):
         save(state(), path)
         save_ms.append((time.perf_counter() - t0) * 1e3)
         nbytes = dir_bytes(path)
+        step()  # the parameters move on; the load must bring back those saved
         t0 = time.perf_counter()
         load(path)
         load_ms.append((time.perf_counter() - t0) * 1e3)
@@ -902,7 +904,8 @@ def run_checkpoint_peers(args):
         try:
             results += run_checkpoint_peer(peer, c, args.model, args.checkpoint_dir, args.repetitions)
         except Exception as e:
-            results.append(failed(f"checkpoint_save/{peer}/{args.model}", f"{type(e).__name__}: {e}"))
+            message = str(e) if str(e).startswith("parity failed") else f"{type(e).__name__}: {e}"
+            results.append(failed(f"checkpoint_save/{peer}/{args.model}", message))
             print(f"peers.py: {peer} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
             bad.append(peer)
         if torch.cuda.is_available():

@@ -473,15 +473,15 @@ if [ "$gate_only" != 1 ] && [ -x build/cuda/bench/strata_capacity ]; then
     --max=32 --timeout=300 --json="$outdir/capacity-8g.json" > "$outdir/capacity-8g.txt" 2>&1 || status=1
   capacity=(--capacity "$outdir/capacity-8g.json")
 fi
-# Checkpoints of gpt-871m's whole training state on this machine's disk (under $STRATA_CKPT_DIR, by
-# default the output folder): save, load and the asynchronous save's wait per strategy
+# Checkpoints of gpt-871m's whole training state on this machine's disk (in a folder of its own
+# under $STRATA_CKPT_DIR, by default the output folder): save, load and the asynchronous save's wait per strategy
 # (bench/checkpoint_bench.cpp), beside DCP from FSDP2 and torch.save (bench/peers.py
 # --checkpoint-dir); their section joins the report.
 checkpoints=()
 if [ "$gate_only" != 1 ] && [ -x build/cuda/bench/strata_checkpoint ]; then
   echo "ci/gpu.sh: checkpoints of gpt-871m"
-  ckpt_dir="${STRATA_CKPT_DIR:-$outdir/ckpt}"
-  mkdir -p "$ckpt_dir"
+  mkdir -p "${STRATA_CKPT_DIR:-$outdir}"
+  ckpt_dir=$(mktemp -d "${STRATA_CKPT_DIR:-$outdir}/strata-ckpt.XXXXXX")  # removed after; nothing else under it
   ./build/cuda/bench/strata_checkpoint bench --device=cuda:0 --model="${STRATA_PEERS_MODEL:-gpt-871m}" \
     --strategies=baseline,hook_offload,hook_offload_overlap,sharded,sharded_offload --repetitions=2 --dir="$ckpt_dir" \
     --json="$outdir/checkpoints.json" 2>&1 | tee "$outdir/checkpoints.txt" || status=1

@@ -84,7 +84,7 @@ Written write_pickle(const fs::path& path, const c10::IValue& value) {
       out.write(bytes, static_cast<std::streamsize>(n));
       w.crc32 = crc32(bytes, n, w.crc32);
       w.bytes += static_cast<int64_t>(n);
-      return n;
+      return out ? n : 0;  // a short write: the writer throws at once (a full disk, say)
     });
     // The pickle names each storage by its place in tensorData(): record data/<place>.
     const auto& tensors = pickler.tensorData();
@@ -336,6 +336,11 @@ std::string consolidate(const std::string& checkpoint, const std::string& out_di
   return save(out_dir, manifest, {{"state.pt", whole}});
 }
 
+namespace {
+thread_local std::string g_unremoved;  // what remove_tree's walk could not remove, and why
+thread_local int g_unremoved_errno = 0;
+}  // namespace
+
 void remove_tree(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) {
@@ -343,10 +348,21 @@ void remove_tree(const std::string& path) {
     return;
   }
   // Depth first, links not followed: each directory emptied before it goes.
+  g_unremoved.clear();
   const int rc = ::nftw(
-      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-  STRATA_CHECK(rc == 0, "cannot remove " << path << ": " << std::strerror(errno));
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) {
+        if (::remove(p) == 0) return 0;
+        g_unremoved = p;
+        g_unremoved_errno = errno;
+        return -1;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
+  if (rc != 0 && g_unremoved.empty()) {
+    g_unremoved = path;
+    g_unremoved_errno = errno;
+  }
+  STRATA_CHECK(rc == 0, "cannot remove " << path << ": " << g_unremoved << ": " << std::strerror(g_unremoved_errno));
 }
 
 std::string latest(const std::string& dir) {

@@ -7,6 +7,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -35,17 +36,36 @@ void print_code_words(uintptr_t ip, uintptr_t sp) {
   for (ssize_t got; n + 1 < sizeof maps && (got = read(fd, maps + n, sizeof maps - 1 - n)) > 0;) n += static_cast<size_t>(got);
   close(fd);
   maps[n] = '\0';
+  // Each line of the maps: its range, permissions, file offset and path (none for anonymous memory).
+  struct Range {
+    unsigned long lo = 0, hi = 0, offset = 0;
+    char perms[8] = {}, path[256] = {};
+  };
+  auto parse = [](char* at, char* end, Range& r) {
+    *end = '\0';  // one line at a time: a line without a path must not take the next line's
+    const bool ok = std::sscanf(at, "%lx-%lx %7s %lx %*s %*s %255s", &r.lo, &r.hi, r.perms, &r.offset, r.path) >= 4;
+    *end = '\n';
+    return ok;
+  };
+  // Words of the stack up to the end of its mapping (reading past it would fault in the handler).
+  int words = 512;
+  for (char* at = maps; *at;) {
+    char* end = std::strchr(at, '\n');
+    if (!end) break;
+    Range r;
+    if (parse(at, end, r) && sp >= r.lo && sp < r.hi) words = static_cast<int>(std::min<uintptr_t>(512, (r.hi - sp) / 8));
+    at = end + 1;
+  }
   char line[512];
   int shown = 0;
-  for (int i = -1; i < 512 && shown < 24; ++i) {  // -1: the instruction itself
+  for (int i = -1; i < words && shown < 24; ++i) {  // -1: the instruction itself
     const uintptr_t word = i < 0 ? ip : reinterpret_cast<const uintptr_t*>(sp)[i];
     for (char* at = maps; *at;) {
       char* end = std::strchr(at, '\n');
       if (!end) break;
-      unsigned long lo = 0, hi = 0, offset = 0;
-      char perms[8] = {}, path[256] = {};
-      if (std::sscanf(at, "%lx-%lx %7s %lx %*s %*s %255s", &lo, &hi, perms, &offset, path) >= 4 && perms[2] == 'x' &&
-          word >= lo && word < hi) {
+      Range r;
+      auto& [lo, hi, offset, perms, path] = r;
+      if (parse(at, end, r) && perms[2] == 'x' && word >= lo && word < hi) {
         char slot[16] = "instruction";
         if (i >= 0) std::snprintf(slot, sizeof slot, "sp+%d", i * 8);
         std::snprintf(line, sizeof line, "  %s: %#lx in %s +%#lx\n", slot, static_cast<unsigned long>(word),

@@ -516,6 +516,14 @@ std::string backend_for(const torch::Device& device) {
   return backend;
 }
 
+// As torch.cuda.set_device(LOCAL_RANK) before init_process_group: a CUDA device becomes the current
+// one, for NCCL's communicators and for every allocation without a device of its own.
+void make_current(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+  c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  cuda.setDevice(torch::Device(torch::kCUDA, device.index() < 0 ? 0 : device.index()));
+}
+
 }  // namespace
 
 std::shared_ptr<Channel> channel(const torch::Device& device, int from, int to) {
@@ -544,12 +552,7 @@ std::shared_ptr<Group> group_for(const torch::Device& device) {
   static auto& groups = *new std::map<std::string, std::shared_ptr<Group>>();
   const std::string backend = backend_for(device);
   std::lock_guard<std::mutex> lock(mutex);
-  if (device.is_cuda()) {
-    // As torch.cuda.set_device(LOCAL_RANK) before init_process_group: this rank's GPU is the
-    // current one, for NCCL's communicators and for every allocation without a device of its own.
-    c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
-    cuda.setDevice(torch::Device(torch::kCUDA, device.index() < 0 ? 0 : device.index()));
-  }
+  make_current(device);
   auto& g = groups[backend];
   if (!g)
     g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device,
@@ -564,14 +567,14 @@ std::shared_ptr<Group> first_ranks(const torch::Device& device, int size) {
   STRATA_CHECK(env.rank < size, "distributed: rank " << env.rank << " asked to join the group of ranks 0.." << size - 1
                                                       << ", which it is not in");
   if (size == env.world_size) return group_for(device);
-  const auto whole = group_for(device);  // sets this rank's GPU, as for the world's group
+  // Not group_for(): making the world's group would wait for ranks that never come here.
+  const std::string backend = backend_for(device);
   static std::mutex mutex;
   static auto& groups = *new std::map<std::pair<std::string, int>, std::shared_ptr<Group>>();  // as group_for's
   std::lock_guard<std::mutex> lock(mutex);
-  auto& g = groups[{whole->backend(), size}];
-  if (!g)
-    g = std::make_shared<C10dGroup>(whole->backend(), device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device,
-                                    size);
+  make_current(device);
+  auto& g = groups[{backend, size}];
+  if (!g) g = std::make_shared<C10dGroup>(backend, device.is_cuda() ? torch::Device(torch::kCUDA, device.index()) : device, size);
   return g;
 }
 
