@@ -78,8 +78,7 @@ Args parse(int argc, char** argv) {
 
 void barrier() {
   if (distributed::environment().world_size <= 1) return;
-  auto t = torch::zeros({1});
-  distributed::group_for(torch::Device(torch::kCPU))->all_reduce(t).wait();
+  distributed::barrier(*distributed::group_for(torch::Device(torch::kCPU)));
 }
 
 [[noreturn]] void die(const char* where, int64_t step) {

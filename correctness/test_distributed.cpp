@@ -229,10 +229,7 @@ TEST(Distributed, parity_holds_with_injected_delays_and_a_missing_wait_is_caught
 // worked out here with the model alone. A BatchNorm's running statistics differ slice by slice.
 // Checkpoints of a sharded run: each rank saves its shard (state_files::save_ranks), and the
 // files together are the whole state, which loads into any strategy at any world.
-void barrier() {
-  auto t = torch::zeros({1});
-  distributed::group_for(torch::Device(torch::kCPU))->all_reduce(t).wait();
-}
+void barrier() { distributed::barrier(*distributed::group_for(torch::Device(torch::kCPU))); }
 std::string shared_dir(const std::string& what) {  // the same on every rank of this launch
   const char* port = std::getenv("MASTER_PORT");
   return (std::filesystem::temp_directory_path() / ("strata-" + what + "-" + (port ? port : "0"))).string();
@@ -436,10 +433,7 @@ TEST(Distributed, prop_resume_anywhere_across_world_sizes) {
       m.step = r.c.resume_at;
       if (rank() < r.first_world && from.world_size() > 1) {
         auto ranks = distributed::first_ranks(torch::Device(torch::kCPU), r.first_world);
-        state_files::save_ranks(dir, m, rank(), r.first_world, from.training_state(), [&] {
-          auto t = torch::zeros({1});
-          ranks->all_reduce(t).wait();
-        });
+        state_files::save_ranks(dir, m, rank(), r.first_world, from.training_state(), [&] { distributed::barrier(*ranks); });
       } else if (rank() == 0) {
         state_files::save(dir, m, {{"state.pt", from.training_state()}});
       }

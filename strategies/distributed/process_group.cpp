@@ -543,6 +543,11 @@ bool on_every_rank(Group& group, bool mine, const torch::Device& device) {
   return failed.item<float>() == 0.0f;
 }
 
+void barrier(Group& group) {
+  auto t = torch::zeros({1});
+  group.all_reduce(t).wait();
+}
+
 std::shared_ptr<Group> group_for(const torch::Device& device) {
   static std::mutex mutex;
   // Never destroyed: a process group outlives every strategy, and NCCL's destructor at exit runs

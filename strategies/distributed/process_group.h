@@ -126,6 +126,10 @@ std::shared_ptr<Group> first_ranks(const torch::Device& device, int size);
 /// taken the same way everywhere, e.g. whether all of a step's gradients are finite.
 bool on_every_rank(Group& group, bool mine, const torch::Device& device);
 
+/// Returns once every rank of `group` has called it (an all-reduce of one number), or throws the
+/// group's timeout Error.
+void barrier(Group& group);
+
 /// Bytes each rank sends in a ring all-reduce of `bytes` over `world` ranks: 2 (W - 1) / W of them
 /// (what the byte counters report for an all-reduce, whichever backend runs it).
 int64_t ring_all_reduce_bytes(int64_t bytes, int world);
