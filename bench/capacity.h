@@ -23,6 +23,7 @@ struct Probe {
   std::string message;  ///< what ran out, or the error
   double step_ms = 0;   ///< median training step (train_step + optimizer_step), where it trains
   int64_t parameters = 0, peak_device = 0, peak_host = 0;
+  double seconds = 0;  ///< the probe's wall time, its process's start-up and model building included
 };
 
 struct Frontier {

@@ -423,7 +423,7 @@ std::string probe_json(const std::string& strategy, const bench::Probe& p, const
   out << "{\"strategy\": " << json_string(strategy) << ", \"size\": " << p.size << ", \"outcome\": "
       << json_string(bench::to_string(p.outcome)) << ", \"parameters\": " << p.parameters
       << ", \"step_ms\": " << (std::isfinite(p.step_ms) ? p.step_ms : 0.0) << ", \"peak_device_bytes\": " << p.peak_device
-      << ", \"peak_host_bytes\": " << p.peak_host;
+      << ", \"peak_host_bytes\": " << p.peak_host << ", \"probe_seconds\": " << p.seconds;
   if (predicted)
     out << ", \"predicted_device_bytes\": " << predicted->device_bytes()
         << ", \"predicted_host_bytes\": " << predicted->host_bytes();
@@ -554,13 +554,15 @@ int run(int argc, char** argv) {
                   models::parameter_count(config) / 1e9,
                   m ? (", predicted " + m->summary()).c_str() : "");
       std::fflush(stdout);
+      const auto started = std::chrono::steady_clock::now();
       auto p = spawn_probe(a, strategy, config, batch);
+      p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       p.size = size;
       if (fits(p.outcome))
-        std::printf(" trains: %.1f ms a step, peak %.2f GiB device, %.2f GiB host\n", p.step_ms, p.peak_device / kGiB,
-                    p.peak_host / kGiB);
+        std::printf(" trains: %.1f ms a step, peak %.2f GiB device, %.2f GiB host (probe %.0f s)\n", p.step_ms,
+                    p.peak_device / kGiB, p.peak_host / kGiB, p.seconds);
       else
-        std::printf(" %s: %s\n", bench::to_string(p.outcome), p.message.c_str());
+        std::printf(" %s: %s (probe %.0f s)\n", bench::to_string(p.outcome), p.message.c_str(), p.seconds);
       std::fflush(stdout);
       probes.push_back(probe_json(strategy, p, m ? &*m : nullptr));
       write_json();  // every probe kept as it ends
