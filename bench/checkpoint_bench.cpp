@@ -3,9 +3,9 @@
 //
 // For each strategy: one training step (so AdamW's moments exist), then per repetition
 //  - save: training_state() (the state copied to the host) and state_files::save() of it;
-//  - load, after one more step has moved the parameters on: state_files::load_all() and
-//    load_training_state(), to the device's last copy; the parameters after it must equal those
-//    saved, bit for bit (else the row is an error);
+//  - load, after one more step has moved the parameters on: state_files::load_all() ("read")
+//    and load_training_state() ("restore"), to the device's last copy; the parameters after it
+//    must equal those saved, bit for bit (else the row is an error);
 //  - async: training_state() and the start of a BackgroundSave, which is all the step waits for
 //    ("blocked"); then one training step while the file is written, and the wait for it.
 // Rows (Google Benchmark's JSON, as strata_bench's): checkpoint_save/S/MODEL, checkpoint_load/S/MODEL
@@ -115,7 +115,7 @@ std::vector<std::string> measure(const BenchArgs& a, const std::string& strategy
   state_files::Manifest m;
   m.model = preset.config.to_string();
   m.strategy = strategy;
-  std::vector<double> state_ms, save_ms, load_ms, blocked_ms, step_ms, written_ms;
+  std::vector<double> state_ms, save_ms, read_ms, load_ms, blocked_ms, step_ms, written_ms;
   int64_t bytes = 0;
   for (int64_t r = 0; r < a.repetitions; ++r) {
     const auto dir = (std::filesystem::path(a.dir) / ("strata-" + strategy)).string();
@@ -130,7 +130,10 @@ std::vector<std::string> measure(const BenchArgs& a, const std::string& strategy
     const auto before = s->parameters();
     step();  // the parameters move on; the load must bring back those saved
     t0 = std::chrono::steady_clock::now();
-    s->load_training_state(state_files::load_all(saved));
+    auto read = state_files::load_all(saved);
+    read_ms.push_back(ms_since(t0));
+    s->load_training_state(read);
+    read.clear();  // the files' tensors freed inside the time, as a load that reads and restores in one call frees them
     device::synchronize(dev);
     load_ms.push_back(ms_since(t0));
     const auto after = s->parameters();
@@ -152,15 +155,16 @@ std::vector<std::string> measure(const BenchArgs& a, const std::string& strategy
     background.wait();
     written_ms.push_back(ms_since(t0));
     state_files::remove_tree(dir);
-    std::fprintf(stderr, "strata_checkpoint bench: %s: save %.0f ms (state %.0f), load %.0f ms, async blocks %.0f ms, %.3f GB\n",
-                 strategy.c_str(), save_ms.back(), state_ms.back(), load_ms.back(), blocked_ms.back(), bytes / 1e9);
+    std::fprintf(stderr, "strata_checkpoint bench: %s: save %.0f ms (state %.0f), load %.0f ms (read %.0f), async blocks %.0f ms, %.3f GB\n",
+                 strategy.c_str(), save_ms.back(), state_ms.back(), load_ms.back(), read_ms.back(), blocked_ms.back(), bytes / 1e9);
   }
   const auto suffix = strategy + "/" + a.model;
   const double gb = static_cast<double>(bytes) / 1e9;
   std::ostringstream save_extra, load_extra, async_extra;
   save_extra << ", \"bytes\": " << bytes << ", \"GB_per_s\": " << gb / (mean(save_ms) / 1e3)
              << ", \"state_ms\": " << mean(state_ms) << ", \"write_ms\": " << mean(save_ms) - mean(state_ms);
-  load_extra << ", \"bytes\": " << bytes << ", \"GB_per_s\": " << gb / (mean(load_ms) / 1e3);
+  load_extra << ", \"bytes\": " << bytes << ", \"GB_per_s\": " << gb / (mean(load_ms) / 1e3)
+             << ", \"read_ms\": " << mean(read_ms) << ", \"restore_ms\": " << mean(load_ms) - mean(read_ms);
   async_extra << ", \"bytes\": " << bytes << ", \"of_sync_save\": " << mean(blocked_ms) / mean(save_ms)
               << ", \"step_ms_while_writing\": " << mean(step_ms) << ", \"written_ms\": " << mean(written_ms);
   return {row("checkpoint_save/" + suffix, mean(save_ms), a.repetitions, save_extra.str()),
