@@ -1,8 +1,13 @@
 #include "strategies/state_files.h"
 
+#include <fcntl.h>
 #include <ftw.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
@@ -43,6 +48,43 @@ std::vector<char> read_bytes(const fs::path& path) {
   STRATA_CHECK(in, "checkpoint: cannot read " << path.string());
   return out;
 }
+
+// A file mapped read-only, its pages read in at once (MAP_POPULATE): the checksum runs over the
+// page cache and each tensor is copied once, from there to its own storage, where reading the
+// file into a buffer first cost a second copy and the buffer's first touch.
+class MappedFile final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MappedFile(const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    STRATA_CHECK(fd >= 0, "checkpoint: cannot read " << path.string() << ": " << std::strerror(errno));
+    struct stat st;
+    const bool stated = ::fstat(fd, &st) == 0;
+    const int stat_errno = errno;
+    size_ = stated ? static_cast<size_t>(st.st_size) : 0;
+    if (stated && size_ > 0) data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    const int map_errno = errno;
+    ::close(fd);
+    STRATA_CHECK(stated, "checkpoint: cannot read " << path.string() << ": " << std::strerror(stat_errno));
+    STRATA_CHECK(data_ != MAP_FAILED, "checkpoint: cannot map " << path.string() << ": " << std::strerror(map_errno));
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile() override {
+    if (data_ != MAP_FAILED && data_ != nullptr) ::munmap(data_, size_);
+  }
+  const char* data() const { return static_cast<const char*>(data_); }
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
+    if (pos >= size_) return 0;
+    n = std::min<size_t>(n, size_ - pos);
+    std::memcpy(buf, data() + pos, n);
+    return n;
+  }
+
+ private:
+  void* data_ = nullptr;  // nullptr for an empty file
+  size_t size_ = 0;
+};
 
 void write_bytes(const fs::path& path, const char* data, size_t size) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -392,14 +434,16 @@ NamedTensors load_file(const std::string& checkpoint, const Manifest& manifest, 
   STRATA_CHECK(entry, "checkpoint " << checkpoint << ": its manifest lists no file '" << file << "'");
   const fs::path path = fs::path(checkpoint) / file;
   STRATA_CHECK(fs::exists(path), "checkpoint " << checkpoint << ": file '" << file << "' is missing");
-  const auto bytes = read_bytes(path);
-  STRATA_CHECK(static_cast<int64_t>(bytes.size()) == entry->bytes,
-               "checkpoint " << checkpoint << ": '" << file << "' is " << bytes.size() << " bytes, its manifest says "
+  auto file_bytes = std::make_shared<MappedFile>(path);
+  STRATA_CHECK(static_cast<int64_t>(file_bytes->size()) == entry->bytes,
+               "checkpoint " << checkpoint << ": '" << file << "' is " << file_bytes->size() << " bytes, its manifest says "
                              << entry->bytes << " (truncated or replaced)");
-  const auto crc = crc32(bytes.data(), bytes.size());
+  const auto crc = crc32(file_bytes->data(), file_bytes->size());
   STRATA_CHECK(crc == entry->crc32, "checkpoint " << checkpoint << ": '" << file << "' does not match its checksum (crc32 "
                                                   << std::hex << crc << ", its manifest says " << entry->crc32 << ")");
-  const auto dict = torch::pickle_load(bytes).toGenericDict();
+  // What torch::pickle_load does with a buffer, here with the mapped file: the "data" archive.
+  caffe2::serialize::PyTorchStreamReader reader(file_bytes);
+  const auto dict = torch::jit::readArchiveAndTensors("data", "", "", {}, {}, {}, reader).toGenericDict();
   NamedTensors out;
   for (const auto& item : dict) out.emplace_back(item.key().toStringRef(), item.value().toTensor());
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
