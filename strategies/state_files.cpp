@@ -12,6 +12,9 @@
 #include <torch/serialize.h>
 
 #include <cerrno>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cstdio>
 #include <cstring>
 
@@ -160,8 +163,11 @@ void finish(const Manifest& manifest, const fs::path& partial, const fs::path& f
 
 }  // namespace
 
-uint32_t crc32(const char* data, size_t size, uint32_t crc) {
-  // Eight bytes a round (slicing by 8): table k holds the CRC of a byte followed by k zero bytes.
+namespace {
+
+// The reflected CRC-32 state (not inverted) after `size` more bytes, a byte at a time through
+// eight tables (slicing by 8): table k holds the CRC of a byte followed by k zero bytes.
+uint32_t crc32_tables(const unsigned char* p, size_t size, uint32_t crc) {
   static const auto tables = [] {
     std::array<std::array<uint32_t, 256>, 8> t{};
     for (uint32_t i = 0; i < 256; ++i) {
@@ -174,8 +180,6 @@ uint32_t crc32(const char* data, size_t size, uint32_t crc) {
     return t;
   }();
   const auto& t = tables;
-  const auto* p = reinterpret_cast<const unsigned char*>(data);
-  crc = ~crc;
   for (; size >= 8; p += 8, size -= 8) {
     const uint32_t lo = crc ^ (p[0] | p[1] << 8 | p[2] << 16 | static_cast<uint32_t>(p[3]) << 24);
     const uint32_t hi = p[4] | p[5] << 8 | p[6] << 16 | static_cast<uint32_t>(p[7]) << 24;
@@ -183,7 +187,74 @@ uint32_t crc32(const char* data, size_t size, uint32_t crc) {
           t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
   }
   for (; size > 0; ++p, --size) crc = t[0][(crc ^ *p) & 0xFF] ^ (crc >> 8);
-  return ~crc;
+  return crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define STRATA_CRC32_FOLDED 1
+// The same state after `size` bytes (a multiple of 16, at least 64) by carry-less multiplication:
+// four 128-bit lanes folded 64 bytes ahead, then into one, then reduced to 32 bits (Barrett). The
+// constants are powers of x modulo the CRC-32 polynomial (bit-reflected), as in Intel's "Fast CRC
+// Computation for Generic Polynomials Using PCLMULQDQ". About three times the tables' speed.
+inline __m128i load(const unsigned char* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); }
+
+__attribute__((target("pclmul"))) inline __m128i fold(__m128i x, __m128i k) {  // x.lo * k.lo ^ x.hi * k.hi
+  return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+__attribute__((target("pclmul,sse4.1"))) uint32_t crc32_folded(const unsigned char* p, size_t size, uint32_t crc) {
+  __m128i x0 = _mm_xor_si128(load(p), _mm_cvtsi32_si128(static_cast<int>(crc)));
+  __m128i x1 = load(p + 16), x2 = load(p + 32), x3 = load(p + 48);
+  p += 64;
+  size -= 64;
+  const __m128i by4 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);  // x^(4*128+32) and x^(4*128-32), mod P
+  for (; size >= 64; p += 64, size -= 64) {
+    x0 = _mm_xor_si128(fold(x0, by4), load(p));
+    x1 = _mm_xor_si128(fold(x1, by4), load(p + 16));
+    x2 = _mm_xor_si128(fold(x2, by4), load(p + 32));
+    x3 = _mm_xor_si128(fold(x3, by4), load(p + 48));
+  }
+  const __m128i by1 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);  // x^(128+32) and x^(128-32), mod P
+  __m128i x = _mm_xor_si128(fold(x0, by1), x1);
+  x = _mm_xor_si128(fold(x, by1), x2);
+  x = _mm_xor_si128(fold(x, by1), x3);
+  for (; size >= 16; p += 16, size -= 16) x = _mm_xor_si128(fold(x, by1), load(p));
+  // 128 bits to 64, then 64 to 32 + 32.
+  x = _mm_xor_si128(_mm_clmulepi64_si128(x, by1, 0x10), _mm_srli_si128(x, 8));
+  const __m128i low32 = _mm_set_epi32(0, 0, 0, -1);
+  const __m128i r5 = _mm_set_epi64x(0, 0x163cd6124);  // x^64 mod P
+  x = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x, low32), r5, 0x00), _mm_srli_si128(x, 4));
+  // Barrett reduction: low qword P (reflected, with x^32), high qword mu = floor(x^64 / P).
+  const __m128i poly_mu = _mm_set_epi64x(0x1f7011641, 0x1db710641);
+  __m128i t = _mm_clmulepi64_si128(_mm_and_si128(x, low32), poly_mu, 0x10);
+  t = _mm_clmulepi64_si128(_mm_and_si128(t, low32), poly_mu, 0x00);
+  return static_cast<uint32_t>(_mm_extract_epi32(_mm_xor_si128(x, t), 1));
+}
+
+bool cpu_has_clmul() {
+  static const bool has = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+  return has;
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32(const char* data, size_t size, uint32_t crc) {
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+  crc = ~crc;
+#ifdef STRATA_CRC32_FOLDED
+  if (size >= 64 && cpu_has_clmul()) {
+    const size_t folded = size & ~size_t{15};
+    crc = crc32_folded(p, folded, crc);
+    p += folded;
+    size -= folded;
+  }
+#endif
+  return ~crc32_tables(p, size, crc);
+}
+
+uint32_t crc32_bytewise(const char* data, size_t size, uint32_t crc) {
+  return ~crc32_tables(reinterpret_cast<const unsigned char*>(data), size, ~crc);
 }
 
 std::string Manifest::to_text() const {

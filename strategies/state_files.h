@@ -43,8 +43,11 @@ struct Manifest {
   static Manifest parse(const std::string& text, const std::string& where);
 };
 
-/// CRC-32 (IEEE, as zlib's crc32) of `size` bytes.
+/// CRC-32 (IEEE, as zlib's crc32) of `size` bytes, continuing from `crc` (a CRC of the bytes
+/// before). Folded with carry-less multiplication where the CPU has it, else through tables.
 uint32_t crc32(const char* data, size_t size, uint32_t crc = 0);
+/// The same CRC, through tables alone (the reference that crc32's faster path is checked against).
+uint32_t crc32_bytewise(const char* data, size_t size, uint32_t crc = 0);
 
 struct SaveHooks {
   /// Called after each file is written (its name): tests throw from it to cut a save short.
