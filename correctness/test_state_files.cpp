@@ -4,9 +4,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -208,6 +211,32 @@ TEST(StateFiles, crc32_is_zlibs) {
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 7 + 3) % 256);
   EXPECT_EQ(state_files::crc32(bytes.data(), bytes.size()), 0x25A60A70u);  // Python: zlib.crc32(bytes((i * 7 + 3) % 256 for i in range(1003)))
   EXPECT_EQ(state_files::crc32(bytes.data() + 500, 503, state_files::crc32(bytes.data(), 500)), 0x25A60A70u);
+}
+
+// A write the system refuses (here: a file-size limit, as a full disk would) is an Error naming
+// the file and why, not a crash, and the checkpoint before stays the latest.
+TEST(StateFiles, a_refused_write_is_an_error_naming_the_file_and_the_last_checkpoint_stays) {
+  TempDir dir;
+  const auto five = state_files::save(dir.path, manifest_at(5), some_state());
+  std::map<std::string, NamedTensors> big = {{"rank0.pt", {{"w", torch::zeros({1 << 20})}}}};  // 4 MiB
+  struct rlimit before;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  const auto xfsz = std::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+  struct rlimit limited = before;
+  limited.rlim_cur = 1 << 20;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  std::string message;
+  try {
+    state_files::save(dir.path, manifest_at(6), big);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, xfsz);
+  EXPECT_THAT(message, HasSubstr("cannot write"));
+  EXPECT_THAT(message, HasSubstr("rank0.pt"));
+  EXPECT_THAT(message, HasSubstr(std::strerror(EFBIG)));
+  EXPECT_EQ(state_files::latest(dir.path), five);
 }
 
 // The folded CRC (carry-less multiplication, where the CPU has it) equals the table one for any

@@ -478,8 +478,9 @@ def checkpoint_section(paths):
            "strata_checkpoint bench (the whole training state after one AdamW step: training_state(), then "
            "state_files::save; the load must bring back the saved parameters after another step moved them) and "
            f"bench/peers.py --checkpoint-dir (DCP, torch.save), on {', '.join(sorted(set(devices)))}. GB/s: the "
-           "files' bytes over the time. Async: what the step waits for before the file is written in the "
-           "background.\n"]
+           "files' bytes over the time. strata's save and DCP's (sync_files, its default) end with every file "
+           "on the disk (fsync); torch.save's ends in the page cache. Async: what the step waits for before "
+           "the file is written in the background.\n"]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         who = list(dict.fromkeys(r["who"] for r in mine))

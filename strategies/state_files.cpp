@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <array>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -89,11 +90,72 @@ class MappedFile final : public caffe2::serialize::ReadAdapterInterface {
   size_t size_ = 0;
 };
 
+// A file written for a checkpoint: small pieces gathered (the zip's headers), large ones written
+// straight from the caller's memory, and the whole on the disk (fsync) before close() returns,
+// so that a manifest renamed after it never names bytes a power cut could lose.
+class DurableFile {
+ public:
+  explicit DurableFile(const fs::path& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    STRATA_CHECK(fd_ >= 0, "checkpoint: cannot write " << path.string() << ": " << std::strerror(errno));
+  }
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+  ~DurableFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void write(const char* data, size_t n) {
+    if (n < kGathered) {
+      if (pending_.size() + n > kGathered) flush();
+      pending_.insert(pending_.end(), data, data + n);
+      return;
+    }
+    flush();
+    write_all(data, n);
+  }
+  void close() {
+    flush();
+    STRATA_CHECK(::fsync(fd_) == 0, "checkpoint: cannot write " << path_.string() << " to disk: " << std::strerror(errno));
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    STRATA_CHECK(rc == 0, "checkpoint: cannot write " << path_.string() << ": " << std::strerror(errno));
+  }
+
+ private:
+  static constexpr size_t kGathered = 1 << 16;
+  void flush() {
+    write_all(pending_.data(), pending_.size());
+    pending_.clear();
+  }
+  void write_all(const char* data, size_t n) {
+    while (n > 0) {
+      const auto w = ::write(fd_, data, std::min<size_t>(n, size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      STRATA_CHECK(w > 0, "checkpoint: cannot write " << path_.string() << ": "
+                              << (w < 0 ? std::strerror(errno) : "no byte written (a full disk?)"));
+      data += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  fs::path path_;
+  int fd_ = -1;
+  std::vector<char> pending_;
+};
+
 void write_bytes(const fs::path& path, const char* data, size_t size) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(data, static_cast<std::streamsize>(size));
+  DurableFile out(path);
+  out.write(data, size);
   out.close();
-  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
+}
+
+// A directory's entries (files created or renamed in it) on the disk.
+void sync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  STRATA_CHECK(fd >= 0, "checkpoint: cannot open " << dir.string() << ": " << std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  STRATA_CHECK(rc == 0, "checkpoint: cannot write " << dir.string() << " to disk: " << std::strerror(err));
 }
 
 std::string shape_of(const torch::Tensor& t) {
@@ -120,16 +182,25 @@ Written write_pickle(const fs::path& path, const c10::IValue& value) {
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
+  DurableFile out(path);
   Written w;
+  // The first failed write (a full disk, say) is kept and thrown once the writer is done: nothing
+  // is thrown through the zip library's C code, and the writer finishes (into nothing) without
+  // an error of its own from its destructor.
+  std::exception_ptr failed;
   {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
+      if (failed) return n;
       const auto* bytes = static_cast<const char*>(data);
-      out.write(bytes, static_cast<std::streamsize>(n));
+      try {
+        out.write(bytes, n);
+      } catch (...) {
+        failed = std::current_exception();
+        return n;
+      }
       w.crc32 = crc32(bytes, n, w.crc32);
       w.bytes += static_cast<int64_t>(n);
-      return out ? n : 0;  // a short write: the writer throws at once (a full disk, say)
+      return n;
     });
     // The pickle names each storage by its place in tensorData(): record data/<place>.
     const auto& tensors = pickler.tensorData();
@@ -140,8 +211,8 @@ Written write_pickle(const fs::path& path, const c10::IValue& value) {
     writer.writeRecord("data.pkl", pickle.data(), pickle.size());
     writer.writeEndOfFile();
   }
+  if (failed) std::rethrow_exception(failed);
   out.close();
-  STRATA_CHECK(out, "checkpoint: cannot write " << path.string());
   return w;
 }
 
@@ -343,7 +414,9 @@ void finish(const Manifest& manifest, const fs::path& partial, const fs::path& f
   const auto text = manifest.to_text();
   write_bytes(partial / (std::string(kManifest) + ".tmp"), text.data(), text.size());
   fs::rename(partial / (std::string(kManifest) + ".tmp"), partial / kManifest);
+  sync_directory(partial);  // its files' names, the manifest's included
   fs::rename(partial, final_dir);
+  sync_directory(final_dir.parent_path());
 }
 }  // namespace
 
