@@ -213,6 +213,18 @@ TEST(StateFiles, crc32_is_zlibs) {
   EXPECT_EQ(state_files::crc32(bytes.data() + 500, 503, state_files::crc32(bytes.data(), 500)), 0x25A60A70u);
 }
 
+// A background save that fails with something other than a std::exception, and that no one
+// waits for, is reported as it goes, not a std::terminate from its destructor.
+TEST(StateFiles, a_background_save_failing_with_anything_is_reported_when_no_one_waits) {
+  testing::internal::CaptureStderr();
+  {
+    state_files::BackgroundSave background;
+    background.start([]() -> std::string { throw 42; });
+  }
+  EXPECT_THAT(testing::internal::GetCapturedStderr(),
+              HasSubstr("a background save failed and no one waited for it: an exception that is not a std::exception"));
+}
+
 // A write the system refuses (here: a file-size limit, as a full disk would) is an Error naming
 // the file and why, not a crash, and the checkpoint before stays the latest.
 TEST(StateFiles, a_refused_write_is_an_error_naming_the_file_and_the_last_checkpoint_stays) {

@@ -483,6 +483,8 @@ BackgroundSave::~BackgroundSave() {
     future_.get();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "strata: a background save failed and no one waited for it: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "strata: a background save failed and no one waited for it: an exception that is not a std::exception\n");
   }
 }
 
