@@ -266,7 +266,7 @@ uint32_t crc32_tables(const unsigned char* p, size_t size, uint32_t crc) {
 // The same state after `size` bytes (a multiple of 16, at least 64) by carry-less multiplication:
 // four 128-bit lanes folded 64 bytes ahead, then into one, then reduced to 32 bits (Barrett). The
 // constants are powers of x modulo the CRC-32 polynomial (bit-reflected), as in Intel's "Fast CRC
-// Computation for Generic Polynomials Using PCLMULQDQ". About three times the tables' speed.
+// Computation for Generic Polynomials Using PCLMULQDQ". Several times the tables' speed.
 inline __m128i load(const unsigned char* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); }
 
 __attribute__((target("pclmul"))) inline __m128i fold(__m128i x, __m128i k) {  // x.lo * k.lo ^ x.hi * k.hi
